@@ -1,0 +1,145 @@
+"""Reductions between devices of one process.
+
+All functions take torch tensors. Copies between devices are coalesced: the
+tensors of one dtype are flattened into one buffer, copied once and split
+again, so N small gradients cost one transfer instead of N. Nothing here
+synchronises with the host (no `.item()`, no `.cpu()` on the result path), so
+GPU replicas keep overlapping through asynchronous kernel launches.
+"""
+
+import abc
+
+import torch
+
+from kdist.errors import InvalidArgumentError
+from kdist.types import ReduceOp
+
+
+def copy_to_device(tensors, device):
+    """Returns copies of `tensors` on `device`, one transfer per dtype.
+
+    Tensors already on `device` are returned as they are (no copy).
+    """
+    device = torch.device(device)
+    result = list(tensors)
+    groups = {}
+    for position, tensor in enumerate(result):
+        if tensor.device != device:
+            groups.setdefault(tensor.dtype, []).append(position)
+    for positions in groups.values():
+        if len(positions) == 1:
+            position = positions[0]
+            result[position] = result[position].to(device, non_blocking=True)
+            continue
+        flat = torch.cat([result[p].reshape(-1) for p in positions])
+        moved = flat.to(device, non_blocking=True)
+        offset = 0
+        for p in positions:
+            count = result[p].numel()
+            result[p] = moved[offset : offset + count].view(result[p].shape)
+            offset += count
+    return result
+
+
+def weighted_sum(tensor_lists, weights, device):
+    """Returns `[Σ_k weights[k] * tensor_lists[k][i] for i]` on `device`.
+
+    Args:
+        tensor_lists: one list of tensors per contributor, all lists aligned.
+        weights: one Python float per contributor.
+        device: where the result lives.
+    """
+    if len(tensor_lists) != len(weights):
+        raise InvalidArgumentError(
+            f"Expected one weight per contributor. Received {len(weights)} weights "
+            f"for {len(tensor_lists)} contributors."
+        )
+    total = None
+    for tensors, weight in zip(tensor_lists, weights):
+        tensors = copy_to_device(tensors, device)
+        if total is None:
+            total = [t * weight if weight != 1.0 else t.clone() for t in tensors]
+        elif weight == 1.0:
+            torch._foreach_add_(total, tensors)
+        else:
+            torch._foreach_add_(total, tensors, alpha=weight)
+    return total
+
+
+def reduce_tensors(reduce_op, tensors, device):
+    """Sums (or averages) one tensor per contributor onto `device`.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: the shapes differ.
+    """
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise InvalidArgumentError(
+            "Cannot reduce values of different shapes across replicas. Received shapes "
+            f"{[tuple(t.shape) for t in tensors]}. Pass axis=0 to Strategy.reduce to "
+            "reduce along the batch dimension first (needed for a partial last batch)."
+        )
+    moved = copy_to_device(tensors, device)
+    total = moved[0].clone()
+    for tensor in moved[1:]:
+        total += tensor
+    if ReduceOp.from_value(reduce_op) is ReduceOp.MEAN:
+        total = divide(total, len(tensors))
+    return total
+
+
+def divide(total, count):
+    """`total / count`, truncating for integer tensors so the dtype is kept."""
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        return total / count
+    return torch.div(total, count, rounding_mode="trunc")
+
+
+class CrossDeviceOps(abc.ABC):
+    """How a strategy combines values held on several devices of one process.
+
+    Subclasses implement `reduce_to_device`; the other methods build on it.
+    Pass an instance as `MirroredStrategy(cross_device_ops=...)`.
+    """
+
+    @abc.abstractmethod
+    def reduce_to_device(self, reduce_op, tensors, device):
+        """Returns the reduction of `tensors` (one per replica) on `device`."""
+
+    def reduce(self, reduce_op, tensors, destinations):
+        """Reduces onto the first destination, then copies to the others.
+
+        Returns:
+            A list with one tensor per destination device.
+        """
+        reduced = self.reduce_to_device(reduce_op, tensors, destinations[0])
+        return self.broadcast(reduced, destinations)
+
+    def broadcast(self, tensor, destinations):
+        """Returns one copy of `tensor` per destination device."""
+        return [tensor if tensor.device == torch.device(d) else tensor.to(d) for d in destinations]
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Copies every replica's value to one device, reduces there, copies back.
+
+    Args:
+        reduce_to_device: where the reduction happens; `None` means the first
+            destination (for gradients: the canonical replica's device).
+
+    Example:
+
+    ```python
+    strategy = kdist.MirroredStrategy(
+        devices=["cuda:0", "cuda:1"],
+        cross_device_ops=kdist.ReductionToOneDevice(reduce_to_device="cuda:0"))
+    ```
+    """
+
+    def __init__(self, reduce_to_device=None):
+        self.reduce_to_device_name = reduce_to_device
+
+    def reduce_to_device(self, reduce_op, tensors, device):
+        target = self.reduce_to_device_name or device
+        reduced = reduce_tensors(reduce_op, tensors, target)
+        return reduced if torch.device(target) == torch.device(device) else reduced.to(device)

@@ -1,0 +1,40 @@
+"""The Strategy API: contexts, distributed values, strategies and distributed input."""
+
+from kdist.distribute.context import (
+    ReplicaContext,
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from kdist.distribute.default_strategy import DefaultStrategy
+from kdist.distribute.input import (
+    DistributedDataset,
+    DistributedDatasetFromFunction,
+    InputContext,
+    ValueContext,
+)
+from kdist.distribute.mirrored import MirroredStrategy
+from kdist.distribute.strategy import Strategy, StrategyExtended
+from kdist.distribute.values import DistributedValues, Mirrored, PerReplica
+
+__all__ = [
+    "DefaultStrategy",
+    "DistributedDataset",
+    "DistributedDatasetFromFunction",
+    "DistributedValues",
+    "InputContext",
+    "Mirrored",
+    "MirroredStrategy",
+    "PerReplica",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

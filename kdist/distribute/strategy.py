@@ -1,0 +1,460 @@
+"""`Strategy` (what users call) and `StrategyExtended` (what implementers extend).
+
+A strategy owns a list of replica devices. Everything in this module works for
+any such list; `MirroredStrategy` and the default strategy differ only in their
+devices and in how `model.fit` runs (see `kdist.keras`).
+"""
+
+import contextlib
+
+import keras
+import torch
+
+from kdist.distribute import context, nest, replica_runner
+from kdist.distribute.input import (
+    DistributedDataset,
+    DistributedDatasetFromFunction,
+    InputContext,
+    ValueContext,
+)
+from kdist.distribute.values import DistributedValues, Mirrored, PerReplica, local_results
+from kdist.collectives.local import divide
+from kdist.errors import InvalidArgumentError, StrategyScopeError
+from kdist.types import ReduceOp
+
+# Results of `Strategy.reduce`/`gather` land on the host, as in TensorFlow, so
+# they can be printed or logged without a further copy.
+HOST_DEVICE = torch.device("cpu")
+
+
+def to_tensor(value):
+    """Converts a tensor, Keras variable, NumPy array or Python number to a torch tensor."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, keras.Variable):
+        return value.value
+    return torch.as_tensor(value)
+
+
+class _Scope:
+    """Context manager returned by `Strategy.scope()`; re-entrant and nestable."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._pushed = []
+
+    def __enter__(self):
+        frame_strategy = context.get_strategy()
+        if frame_strategy is self._strategy and not context.in_cross_replica_context():
+            # Re-entering our own scope from one of our replicas keeps the replica
+            # context (Keras' fit re-enters the scope inside train_step paths).
+            self._pushed.append(None)
+            return self._strategy
+        context.push(self._strategy, None)
+        device_scope = self._strategy.extended.variable_device_scope()
+        device_scope.__enter__()
+        self._pushed.append(device_scope)
+        return self._strategy
+
+    def __exit__(self, *exc_info):
+        device_scope = self._pushed.pop()
+        if device_scope is None:
+            return False
+        try:
+            device_scope.__exit__(*exc_info)
+        finally:
+            context.pop(self._strategy)
+        return False
+
+
+class StrategyExtended:
+    """Implementer-facing half of a strategy: devices, reductions, updates.
+
+    Args:
+        container_strategy: the `Strategy` this object belongs to.
+        replica_devices: tuple of `kdist.distribute.devices.Device`, one per replica.
+    """
+
+    is_default = False
+
+    def __init__(self, container_strategy, replica_devices):
+        self._container_strategy = container_strategy
+        self._replica_devices = tuple(replica_devices)
+        self._colocation_stack = []
+        self.default_replica_context = None
+
+    # ----- devices -------------------------------------------------------------
+    @property
+    def replica_devices(self):
+        """`Device` objects, one per replica, in replica order."""
+        return self._replica_devices
+
+    @property
+    def worker_devices(self):
+        """Device names used to run replica functions, one per replica."""
+        return tuple(device.name for device in self._replica_devices)
+
+    @property
+    def parameter_devices(self):
+        """Device names holding variables; the first replica's device for mirrored variables."""
+        return (self._replica_devices[0].name,)
+
+    def non_slot_devices(self, var_list):
+        """Devices for variables that are not optimizer slots (e.g. step counters)."""
+        del var_list  # every variable lives on the canonical device
+        return self.parameter_devices
+
+    def variable_device_scope(self):
+        """Scope entered by `Strategy.scope()` so new variables land on the canonical device."""
+        return contextlib.nullcontext()
+
+    def replica_device_scope(self, replica_id):
+        from kdist.distribute.devices import device_scope
+
+        return device_scope(self._replica_devices[replica_id])
+
+    # ----- running --------------------------------------------------------------
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        """Runs `fn` once per replica in a replica context; see `Strategy.run`."""
+        self._require_cross_replica("call_for_each_replica")
+        strategy = self._container_strategy
+        with strategy.scope():
+            if len(self._replica_devices) == 1:
+                return replica_runner.run_single_replica(strategy, fn, args, kwargs)
+            return replica_runner.run_per_replica(strategy, fn, args, kwargs)
+
+    def _require_cross_replica(self, api):
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise StrategyScopeError(
+                f"{api} must be called in a cross-replica context, but it was called "
+                "from a replica function. Use kdist.get_replica_context().merge_call "
+                "to reach the cross-replica context from a replica."
+            )
+
+    # ----- reductions -----------------------------------------------------------
+    def _destination_devices(self, destinations):
+        from kdist.distribute.devices import parse_device
+
+        if destinations is None or isinstance(destinations, DistributedValues):
+            return [device.torch_device for device in self._replica_devices]
+        if isinstance(destinations, keras.Variable):
+            return [destinations.value.device]
+        if isinstance(destinations, (str, torch.device)):
+            destinations = [destinations]
+        return [parse_device(d, "destinations").torch_device for d in destinations]
+
+    def _components(self, reduce_op, value):
+        """Returns one tensor per replica; a plain value counts as mirrored."""
+        if isinstance(value, DistributedValues):
+            return [to_tensor(v) for v in value.values]
+        tensor = to_tensor(value)
+        num_replicas = len(self._replica_devices)
+        if reduce_op is ReduceOp.SUM and num_replicas > 1:
+            raise InvalidArgumentError(
+                "A value that is not distributed cannot be summed across replicas: it "
+                f"would count {num_replicas} times. Received a {type(value).__name__}. "
+                "Pass the PerReplica result of strategy.run, or use ReduceOp.MEAN."
+            )
+        return [tensor]
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduces `value` across replicas and places the result on `destinations`.
+
+        Args:
+            reduce_op: `ReduceOp` or its name.
+            value: a `PerReplica`/`Mirrored`, or a plain tensor (treated as mirrored).
+            destinations: a device string, a list of them, a Keras variable (its
+                device) or a distributed value (the replica devices).
+            options: accepted for API compatibility; unused.
+
+        Returns:
+            A tensor for one destination, else a `Mirrored` with one copy per destination.
+        """
+        del options
+        reduce_op = ReduceOp.from_value(reduce_op)
+        devices = self._destination_devices(destinations)
+        reduced = self._cross_device_ops().reduce(
+            reduce_op, self._components(reduce_op, value), devices
+        )
+        return reduced[0] if len(reduced) == 1 else Mirrored(reduced)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """`reduce_to` for several `(value, destinations)` pairs; returns a list."""
+        return [
+            self.reduce_to(reduce_op, value, destinations, options)
+            for value, destinations in value_destination_pairs
+        ]
+
+    def broadcast_to(self, tensor, destinations):
+        """Copies `tensor` to every destination device; a `Mirrored` for several."""
+        copies = self._cross_device_ops().broadcast(
+            to_tensor(tensor), self._destination_devices(destinations)
+        )
+        return copies[0] if len(copies) == 1 else Mirrored(copies)
+
+    def gather_to(self, value, axis, destination):
+        """Concatenates the replicas' components along `axis` on `destination`."""
+        components = self._components(ReduceOp.MEAN, value)
+        if not isinstance(value, DistributedValues):
+            components = components * len(self._replica_devices)
+        if any(component.dim() == 0 for component in components):
+            raise InvalidArgumentError(
+                "Cannot gather scalars: components must have rank >= 1. Received a "
+                "rank-0 value. Add a dimension first (e.g. x[None])."
+            )
+        device = torch.device(destination) if not hasattr(destination, "torch_device") else destination.torch_device
+        return torch.cat([c.to(device) for c in components], dim=axis)
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        """Runs `fn(var, *args, **kwargs)` to update `var` in the cross-replica context.
+
+        Mirrored variables live once, on the canonical device (replicas read
+        copies made at each step), so `fn` runs once. `Mirrored` arguments are
+        unwrapped; `PerReplica` arguments are refused because the update would
+        differ per replica.
+
+        Returns:
+            `fn`'s result (a one-element tuple when `group=False`).
+        """
+        kwargs = kwargs or {}
+
+        def unwrap(leaf):
+            if isinstance(leaf, PerReplica):
+                raise InvalidArgumentError(
+                    "update() received a PerReplica argument. Reduce it first "
+                    "(extended.reduce_to) so every copy of the variable gets the same update."
+                )
+            if isinstance(leaf, Mirrored):
+                return leaf.values[0]
+            return leaf
+
+        args, kwargs = nest.map_structure(unwrap, (tuple(args), kwargs))
+        with torch.no_grad():
+            result = fn(var, *args, **kwargs)
+        return result if group else (result,)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """Variables created inside are placed with `colocate_with_variable`.
+
+        Only valid inside this strategy's scope. With mirrored variables every
+        variable already lives on the canonical device; parameter-server
+        strategies use this to place (and not partition) the new variables.
+        """
+        if context.get_strategy() is not self._container_strategy:
+            raise StrategyScopeError(
+                "colocate_vars_with may only be used inside the strategy's scope(). "
+                "Enter `with strategy.scope():` first."
+            )
+        self._colocation_stack.append(colocate_with_variable)
+        try:
+            yield
+        finally:
+            self._colocation_stack.pop()
+
+    @property
+    def colocation_target(self):
+        """The innermost `colocate_vars_with` variable, or None."""
+        return self._colocation_stack[-1] if self._colocation_stack else None
+
+    def _cross_device_ops(self):
+        from kdist.collectives.local import ReductionToOneDevice
+
+        return ReductionToOneDevice()
+
+
+class Strategy:
+    """A set of replicas and a policy for running and combining work on them.
+
+    Users create a concrete strategy (`kdist.MirroredStrategy`, ...), build and
+    compile models inside `scope()`, and call `model.fit` as usual; or write a
+    custom loop with `run` and `reduce`.
+
+    Args:
+        extended: the `StrategyExtended` implementation.
+    """
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    @property
+    def extended(self):
+        """The `StrategyExtended` with implementer-level methods."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self):
+        """How many replicas compute each step and have their gradients combined."""
+        return len(self._extended.replica_devices)
+
+    def scope(self):
+        """Makes this strategy current: models, optimizers and metrics created inside belong to it.
+
+        Models created or compiled inside the scope remember it: `fit`,
+        `evaluate`, `predict` and `save` can then be called inside or outside.
+
+        Raises:
+            kdist.errors.StrategyScopeError: (on entry) another strategy is current.
+
+        Example:
+
+        ```python
+        with strategy.scope():
+            model = keras.Sequential([...])
+            model.compile(optimizer="adam", loss="mse")
+        ```
+        """
+        return _Scope(self)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Calls `fn` once per replica in a replica context.
+
+        Distributed leaves of `args`/`kwargs` (from a distributed dataset or
+        `experimental_distribute_values_from_function`) are unwrapped to each
+        replica's component; other arguments are passed to every replica. `fn`
+        may call `kdist.get_replica_context()` and its `merge_call`,
+        `all_reduce` and `all_gather`.
+
+        Returns:
+            The regrouped results: each leaf is a `PerReplica`, or the object
+            itself where every replica returned the same object.
+
+        Example:
+
+        ```python
+        per_replica = strategy.run(lambda x: x * 2, args=(dist_batch,))
+        total = strategy.reduce("sum", per_replica, axis=0)
+        ```
+        """
+        del options
+        return self._extended.call_for_each_replica(fn, args, kwargs)
+
+    def reduce(self, reduce_op, value, axis):
+        """Reduces `value` across replicas (and along `axis`) to a host tensor.
+
+        With `axis=None` the components are combined element-wise across
+        replicas (they must have the same shape). With `axis=0` each component
+        is first reduced along its batch dimension; for `MEAN` the denominator
+        is the total number of elements along `axis` across replicas, so a
+        partial last batch split 4/2 averages over 6, not over 2 means.
+
+        Args:
+            reduce_op: `kdist.ReduceOp` or `"sum"`/`"mean"` (any case).
+            value: a distributed value (or a structure of them), or a plain
+                tensor (treated as the same on every replica).
+            axis: the dimension to reduce within each component, or None.
+
+        Returns:
+            A torch tensor on the host (or a structure of them).
+
+        Example:
+
+        ```python
+        per_example = strategy.run(lambda x: x, args=(dist_batch,))
+        strategy.reduce("mean", per_example, axis=0)
+        ```
+        """
+        reduce_op = ReduceOp.from_value(reduce_op)
+        self._extended._require_cross_replica("reduce")
+        with self.scope():
+            return nest.map_structure(lambda leaf: self._reduce_leaf(reduce_op, leaf, axis), value)
+
+    def _reduce_leaf(self, reduce_op, value, axis):
+        if axis is None:
+            return self._extended.reduce_to(reduce_op, value, HOST_DEVICE)
+        components = self._extended._components(ReduceOp.MEAN, value)
+        if not isinstance(value, DistributedValues):
+            components = components * self.num_replicas_in_sync
+        total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
+        if reduce_op is ReduceOp.SUM:
+            return total
+        count = sum(to_tensor(c).shape[axis] for c in components)
+        return divide(total, count)
+
+    def gather(self, value, axis):
+        """Concatenates every replica's component of `value` along `axis` on the host.
+
+        Components must agree in every dimension except `axis` and have rank >= 1.
+
+        Example:
+
+        ```python
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: torch.tensor([[1], [2]]))
+        strategy.gather(values, axis=0)   # [[1], [2], [1], [2]] with 2 replicas
+        ```
+        """
+        self._extended._require_cross_replica("gather")
+        with self.scope():
+            return nest.map_structure(
+                lambda leaf: self._extended.gather_to(leaf, axis, HOST_DEVICE), value
+            )
+
+    def experimental_local_results(self, value):
+        """Returns the components of `value` held by this process, as a tuple.
+
+        A plain value gives `(value,)`. A structure of distributed values gives
+        one structure per replica.
+        """
+        if isinstance(value, DistributedValues) or not nest.is_nested(value):
+            return local_results(value)
+        from kdist.distribute.values import select_replica
+
+        return tuple(select_replica(k, value) for k in range(self.num_replicas_in_sync))
+
+    def unwrap(self, value):
+        """TF1 spelling of `experimental_local_results`, returning a list."""
+        return list(self.experimental_local_results(value))
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Splits each global batch of `dataset` into per-replica shards.
+
+        Shards are contiguous and as even as possible: a batch of 8 over 2
+        replicas gives `[0..3]` and `[4..7]`.
+
+        Args:
+            dataset: an iterable of global batches (list, DataLoader, PyDataset, ...).
+            options: accepted for API compatibility; unused.
+
+        Returns:
+            A `DistributedDataset`; iterate it and pass elements to `run`.
+        """
+        del options
+        return DistributedDataset(dataset, self._extended.replica_devices)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Builds the input with `dataset_fn(InputContext)`; batches are per replica.
+
+        Each step takes one element per replica from the returned dataset. The
+        function must batch with `ctx.get_per_replica_batch_size(global_batch)`.
+        """
+        del options
+        input_context = InputContext(
+            num_input_pipelines=1,
+            input_pipeline_id=0,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+        return DistributedDatasetFromFunction(
+            dataset_fn, input_context, self._extended.replica_devices
+        )
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """Builds a `PerReplica` by calling `value_fn(ValueContext)` for each replica.
+
+        Example:
+
+        ```python
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: [3.0, 2.0, 1.0][ctx.replica_id_in_sync_group])
+        strategy.experimental_local_results(values)   # (3.0, 2.0) with 2 replicas
+        ```
+        """
+        num_replicas = self.num_replicas_in_sync
+        values = []
+        for replica_id in range(num_replicas):
+            with self._extended.replica_device_scope(replica_id):
+                values.append(value_fn(ValueContext(replica_id, num_replicas)))
+        return values[0] if num_replicas == 1 else PerReplica(values)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"

@@ -1,0 +1,62 @@
+"""Typed exceptions raised by kdist.
+
+Every kdist error derives from `KdistError` and says whether retrying the same
+operation can succeed (`retryable`). Callers classify failures by type, never by
+message text.
+
+User mistakes are also subclasses of the matching built-in (`ValueError`,
+`TypeError`, `RuntimeError`) so existing `except ValueError:` code keeps working.
+"""
+
+
+class KdistError(Exception):
+    """Base class of every kdist error.
+
+    Attributes:
+        retryable: True when the same operation may succeed if tried again
+            (a transient failure); False when the caller must change something.
+    """
+
+    retryable = False
+
+
+class InvalidArgumentError(KdistError, ValueError):
+    """An argument has the wrong value. Fatal: fix the call."""
+
+
+class InvalidDeviceError(InvalidArgumentError):
+    """A device string cannot be parsed or names a device that does not exist."""
+
+
+class StrategyScopeError(KdistError, RuntimeError):
+    """Strategy scopes or contexts were mixed or used in the wrong place.
+
+    Examples: entering one strategy's scope inside another's, compiling a model
+    under a different strategy than the one it was created under, calling a
+    cross-replica API from a replica context.
+    """
+
+
+class ReplicaGradientError(KdistError, RuntimeError):
+    """A replica produced no gradient for a variable that replica 0 trained.
+
+    Raised instead of silently training on fewer replicas than the strategy has.
+    Usually a device-placement problem (a tensor copied off the replica device)
+    or a `train_step` whose control flow depends on the replica.
+    """
+
+
+class ReplicaSyncError(KdistError, RuntimeError):
+    """Replicas of one `Strategy.run` call took different paths.
+
+    For example one replica called `merge_call` and another returned, or two
+    replicas called `merge_call` with different functions.
+    """
+
+
+class UnsupportedError(KdistError, RuntimeError):
+    """The feature is outside what this strategy or Keras version supports."""
+
+
+class BackendError(KdistError, RuntimeError):
+    """Keras was imported with a backend kdist cannot drive."""

@@ -1,0 +1,1 @@
+"""Keras integration: hooks that make `fit`/`evaluate`/`predict` honour a strategy."""

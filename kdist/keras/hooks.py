@@ -1,0 +1,159 @@
+"""Connects Keras models to kdist strategies.
+
+`install()` wraps `Trainer.__init__` and `Trainer.compile` once per process. A
+model created or compiled inside a (non-default) strategy's scope is attached
+to that strategy; attaching installs overrides *on that instance only*:
+
+- `fit`, `evaluate`, `predict`, `*_on_batch`, `save`, `save_weights` re-enter
+  the strategy's scope (lazily built models create their variables there);
+- with more than one replica, `make_train_function`/`make_test_function`/
+  `make_predict_function` return the replica engine's step functions;
+- the optimizer's `apply` records gradients during replica steps.
+
+The model's class is never changed, so a saved `.keras` file loads in plain
+Keras without kdist.
+"""
+
+import functools
+import types
+import warnings
+
+from kdist.distribute import context
+from kdist.errors import InvalidArgumentError, StrategyScopeError
+from kdist.keras import _compat
+from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution, wrap_optimizer
+
+_SCOPED_METHODS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+    "save",
+    "save_weights",
+    "load_weights",
+)
+_installed = False
+
+
+def install():
+    """Wraps `Trainer.__init__` and `Trainer.compile`. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    trainer = _compat.Trainer
+    original_init = trainer.__init__
+    original_compile = trainer.compile
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if context.has_strategy():
+            attach(self, context.get_strategy())
+
+    @functools.wraps(original_compile)
+    def compile(self, *args, **kwargs):
+        strategy = _owning_strategy(self)
+        if strategy is None:
+            return original_compile(self, *args, **kwargs)
+        with strategy.scope():
+            result = original_compile(self, *args, **kwargs)
+        attach(self, strategy)
+        return result
+
+    trainer.__init__ = __init__
+    trainer.compile = compile
+    _installed = True
+
+
+def strategy_of(model):
+    """The strategy a model is attached to, or None."""
+    return getattr(model, "_kdist_strategy", None)
+
+
+def _owning_strategy(model):
+    owner = strategy_of(model)
+    current = context.get_strategy() if context.has_strategy() else None
+    if owner is not None and current is not None and current is not owner:
+        raise StrategyScopeError(
+            f"Model '{model.name}' was created under {owner!r} but is compiled inside the "
+            f"scope of {current!r}. A model belongs to one strategy: compile it under "
+            "the strategy it was created with, or rebuild it inside the new scope."
+        )
+    return owner or current
+
+
+def attach(model, strategy):
+    """Makes `model` train with `strategy` (see the module docstring)."""
+    object.__setattr__(model, "_kdist_strategy", strategy)
+    if not getattr(model, "_kdist_attached", False):
+        for name in _SCOPED_METHODS:
+            _override(model, name, _scoped(model, name))
+        object.__setattr__(model, "_kdist_attached", True)
+    wrap_optimizer(getattr(model, "optimizer", None))
+    if strategy.num_replicas_in_sync > 1:
+        engine = ReplicaEngine(model, strategy)
+        for kind in ("train", "test", "predict"):
+            _override(model, f"make_{kind}_function", _make_function(model, kind, engine))
+            # Drop step functions Keras may have built before the model was attached.
+            object.__setattr__(model, f"{kind}_function", None)
+
+
+def _override(model, name, function):
+    object.__setattr__(model, name, types.MethodType(function, model))
+
+
+def _scoped(model, name):
+    method = getattr(type(model), name)
+
+    def scoped(self, *args, **kwargs):
+        strategy = strategy_of(self)
+        if name == "fit":
+            _check_fit_batch_size(strategy, args, kwargs)
+        if context.has_strategy() and context.get_strategy() is not strategy:
+            raise StrategyScopeError(
+                f"model.{name}() was called inside the scope of {context.get_strategy()!r}, "
+                f"but model '{self.name}' belongs to {strategy!r}."
+            )
+        with strategy.scope():
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(scoped, method)
+    return scoped
+
+
+def _check_fit_batch_size(strategy, args, kwargs):
+    batch_size = kwargs.get("batch_size", args[2] if len(args) > 2 else None)
+    num_replicas = strategy.num_replicas_in_sync
+    if batch_size is not None and batch_size < num_replicas:
+        # Every full step would leave replicas idle: almost always a per-replica
+        # batch size passed where kdist expects the global one.
+        raise InvalidArgumentError(
+            f"batch_size is the global batch, split across {num_replicas} replicas, so it "
+            f"must be at least {num_replicas}. Received: batch_size={batch_size}. Pass "
+            f"batch_size=per_replica_batch * strategy.num_replicas_in_sync."
+        )
+
+
+def _make_function(model, kind, engine):
+    step = getattr(engine, f"{kind}_function")
+    attribute = f"{kind}_function"
+
+    def make_function(self, force=False):
+        current = getattr(self, attribute)
+        if current is not None and not force:
+            return current
+        check_steps_per_execution(self)
+        if self.jit_compile:
+            warnings.warn(
+                "jit_compile=True is turned off under MirroredStrategy with several "
+                "replicas: torch.compile cannot trace the replica engine's scopes. The "
+                "model trains eagerly.",
+                stacklevel=2,
+            )
+            self.jit_compile = False
+        object.__setattr__(self, attribute, step)
+        return step
+
+    return make_function

@@ -1,0 +1,306 @@
+"""Runs a Keras model's own steps on several replicas in one process.
+
+For each global batch:
+
+1. split it into contiguous shards, as even as possible (replicas without
+   samples sit the step out);
+2. run the model's unmodified `train_step`/`test_step`/`predict_step` once per
+   replica, inside `keras.device(replica device)`, a `ReplicaContext`, and a
+   `keras.StatelessScope` so no replica changes the model's variables;
+3. the model's optimizer `apply` only records each replica's gradients
+   (`GradientRecorder`); afterwards they are combined as the mean weighted by
+   local batch size, `Σ n_k g_k / Σ n_k` (a plain sum for `reduction="sum"`
+   losses), and applied once to the canonical variables;
+4. non-trainable state is reconciled (`kdist.keras.state_sync`).
+
+Replicas on the canonical device read the canonical tensors directly (no
+copies); replicas on other devices get copies made at the start of each step,
+so weight changes made by callbacks between steps are always seen.
+
+Replicas run one after another in the caller's thread. On GPUs they still
+overlap, because nothing here waits for the device (no `.item()`, no host
+copies) between launching one replica's kernels and the next.
+"""
+
+import dataclasses
+import threading
+
+import keras
+import torch
+
+from kdist.collectives.local import copy_to_device, weighted_sum
+from kdist.distribute import context
+from kdist.distribute.batching import split_batch
+from kdist.errors import ReplicaGradientError, UnsupportedError
+from kdist.keras import _compat, state_sync
+
+
+@dataclasses.dataclass
+class FaultInjection:
+    """Deliberate bugs for the negative-control tests. Never set these in user code.
+
+    Attributes:
+        unweighted_gradient_mean: average gradients without weighting by
+            local batch size (wrong whenever the shards are uneven).
+        drop_replica_losses: run replicas with `collect_losses=False`, which
+            silently drops `add_loss` and activity-regularizer losses.
+        drop_replica_gradients: pretend replicas k >= 1 produced no gradients.
+    """
+
+    unweighted_gradient_mean: bool = False
+    drop_replica_losses: bool = False
+    drop_replica_gradients: bool = False
+
+
+_TESTING_FAULTS = FaultInjection()
+_recording = threading.local()
+
+
+class GradientRecorder:
+    """Collects the `optimizer.apply` calls one replica makes during its step."""
+
+    def __init__(self):
+        self.calls = []
+
+    def record(self, optimizer, gradients, variables):
+        self.calls.append((optimizer, list(gradients), list(variables)))
+
+
+def wrap_optimizer(optimizer):
+    """Makes `optimizer.apply` record gradients while a replica step is running.
+
+    Outside replica steps the wrapper calls the real `apply`. Idempotent.
+    """
+    if optimizer is None or getattr(optimizer, "_kdist_original_apply", None) is not None:
+        return
+    original_apply = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is None:
+            return original_apply(grads, trainable_variables)
+        if trainable_variables is None:
+            trainable_variables = optimizer._trainable_variables
+        recorder.record(optimizer, grads, trainable_variables)
+        return None
+
+    object.__setattr__(optimizer, "_kdist_original_apply", original_apply)
+    object.__setattr__(optimizer, "apply", apply)
+
+
+class ReplicaEngine:
+    """Step functions that run a model data-parallel over a strategy's replicas.
+
+    Not thread-safe: one engine per model, used by the thread that calls `fit`.
+    """
+
+    def __init__(self, model, strategy):
+        self._model = model
+        self._strategy = strategy
+        self._devices = strategy.extended.replica_devices
+        self._num_replicas = len(self._devices)
+        self._state = None
+
+    # ----- Keras step-function entry points (receive a list of batches) -----
+    def train_function(self, data):
+        logs = None
+        for batch in data:
+            logs = self._train_batch(batch)
+        return logs
+
+    def test_function(self, data):
+        logs = None
+        with torch.no_grad():
+            for batch in data:
+                logs = self._test_batch(batch)
+        return logs
+
+    def predict_function(self, data):
+        outputs = None
+        with torch.no_grad():
+            for batch in data:
+                outputs = self._predict_batch(batch)
+        return outputs
+
+    # ----- steps -----------------------------------------------------------
+    def _train_batch(self, batch):
+        model = self._model
+        state = self._state_variables()
+        replicas = self._active_shards(batch)
+        results = []
+        for replica_id, shard, _ in replicas:
+            recorder = GradientRecorder()
+            _recording.recorder = recorder
+            try:
+                scope, logs = self._run_replica(replica_id, model.train_step, shard, state, training=True)
+            finally:
+                _recording.recorder = None
+            results.append((scope, logs, recorder))
+        weights = self._weights(replicas)
+        self._apply_gradients(replicas, [r[2] for r in results], weights)
+        state_sync.reconcile(state, [r[0] for r in results], weights)
+        return self._merge_logs([r[1] for r in results], weights)
+
+    def _test_batch(self, batch):
+        state = self._state_variables()
+        replicas = self._active_shards(batch)
+        results = [
+            self._run_replica(replica_id, self._model.test_step, shard, state, training=False)
+            for replica_id, shard, _ in replicas
+        ]
+        weights = self._weights(replicas)
+        state_sync.reconcile(state, [r[0] for r in results], weights)
+        return self._merge_logs([r[1] for r in results], weights)
+
+    def _predict_batch(self, batch):
+        state = self._state_variables()
+        replicas = self._active_shards(batch)
+        outputs = [
+            self._run_replica(replica_id, self._model.predict_step, shard, state, training=False)[1]
+            for replica_id, shard, _ in replicas
+        ]
+        if len(outputs) == 1:
+            return outputs[0]
+        device = self._devices[0].torch_device
+        return keras.tree.map_structure(
+            lambda *parts: torch.cat(copy_to_device(parts, device)), *outputs
+        )
+
+    # ----- helpers ---------------------------------------------------------
+    def _state_variables(self):
+        signature = state_sync.layout_signature(self._model)
+        if self._state is None or self._state.signature != signature:
+            self._state = state_sync.StateVariables(self._model)
+        return self._state
+
+    def _active_shards(self, batch):
+        shards = split_batch(batch, self._num_replicas)
+        return [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]
+
+    def _weights(self, replicas):
+        total = sum(n for _, _, n in replicas)
+        return [n / total for _, _, n in replicas]
+
+    def _state_mapping(self, replica_id, state, training):
+        """What each replica reads instead of the canonical variables."""
+        model = self._model
+        device = self._devices[replica_id].torch_device
+        canonical_device = self._devices[0].torch_device
+        if device == canonical_device:
+            # Regularizers read trainable values through the scope, so map them
+            # to the canonical Parameters themselves: no copy, still leaves.
+            mapping = [(v, _compat.torch_tensor_of(v)) for v in model.trainable_variables]
+        else:
+            variables = list(model.variables) + state.metric_variables
+            copies = copy_to_device([_compat.torch_tensor_of(v).detach() for v in variables], device)
+            mapping = []
+            for variable, copy in zip(variables, copies):
+                if variable.trainable and training:
+                    copy = copy.detach().requires_grad_(True)
+                mapping.append((variable, copy))
+        if replica_id:
+            mapping.extend(
+                (v, state_sync.seed_offset(_compat.torch_tensor_of(v), replica_id).to(device))
+                for v in state.seed_states
+            )
+        return mapping
+
+    def _run_replica(self, replica_id, step_fn, shard, state, training):
+        model = self._model
+        mapping = self._state_mapping(replica_id, state, training)
+        collect_losses = not _TESTING_FAULTS.drop_replica_losses
+        replica_context = context.ReplicaContext(
+            self._strategy, replica_id, merge_handler=context.sequential_merge_handler
+        )
+        context.push(self._strategy, replica_context)
+        try:
+            with self._strategy.extended.replica_device_scope(replica_id):
+                with keras.StatelessScope(mapping, collect_losses=collect_losses) as scope:
+                    if training:
+                        # A train_step that forgets zero_grad must not mix this
+                        # replica's gradients into the previous replica's.
+                        model.zero_grad(set_to_none=True)
+                    logs = step_fn(shard)
+        finally:
+            context.pop(self._strategy)
+        return scope, logs
+
+    def _apply_gradients(self, replicas, recorders, weights):
+        calls_per_replica = [recorder.calls for recorder in recorders]
+        num_calls = len(calls_per_replica[0])
+        for replica_position, calls in enumerate(calls_per_replica):
+            if len(calls) != num_calls:
+                raise ReplicaGradientError(
+                    f"Replica {replicas[replica_position][0]} called optimizer.apply "
+                    f"{len(calls)} time(s) but replica {replicas[0][0]} called it "
+                    f"{num_calls} time(s). train_step must apply gradients the same "
+                    "number of times on every replica."
+                )
+        if _TESTING_FAULTS.unweighted_gradient_mean:
+            weights = [1.0 / len(weights)] * len(weights)
+        if self._loss_is_summed():
+            weights = [1.0] * len(weights)
+        device = self._devices[0].torch_device
+        for call_index in range(num_calls):
+            optimizer, _, variables = calls_per_replica[0][call_index]
+            gradient_lists = [calls[call_index][1] for calls in calls_per_replica]
+            if _TESTING_FAULTS.drop_replica_gradients:
+                gradient_lists = gradient_lists[:1] + [[None] * len(g) for g in gradient_lists[1:]]
+            self._check_gradients(replicas, variables, gradient_lists)
+            present = [i for i, grad in enumerate(gradient_lists[0]) if grad is not None]
+            combined = weighted_sum(
+                [[grads[i] for i in present] for grads in gradient_lists], weights, device
+            )
+            full = [None] * len(variables)
+            for position, grad in zip(present, combined):
+                full[position] = grad
+            with torch.no_grad():
+                optimizer._kdist_original_apply(full, variables)
+
+    def _check_gradients(self, replicas, variables, gradient_lists):
+        for position, grads in enumerate(gradient_lists[1:], start=1):
+            for variable, reference, grad in zip(variables, gradient_lists[0], grads):
+                if reference is not None and grad is None:
+                    raise ReplicaGradientError(
+                        f"Replica {replicas[position][0]} produced no gradient for "
+                        f"variable '{variable.path}' but replica {replicas[0][0]} did; the "
+                        "step would silently train on fewer replicas. Usual cause: a "
+                        "tensor copied off the replica device (check device strings) or "
+                        "a train_step whose control flow depends on the replica."
+                    )
+
+    def _loss_is_summed(self):
+        losses = keras.tree.flatten(self._model.loss) if self._model.loss is not None else []
+        reductions = {getattr(loss, "reduction", None) for loss in losses}
+        return reductions == {"sum"}
+
+    def _merge_logs(self, replica_logs, weights):
+        first = replica_logs[0]
+        if len(replica_logs) == 1 or not isinstance(first, dict):
+            return first
+        canonical = self._model.get_metrics_result()
+        merged = {}
+        for key, value in first.items():
+            if key in canonical:
+                merged[key] = canonical[key]
+            else:
+                merged[key] = _weighted_log_mean([logs[key] for logs in replica_logs], weights)
+        return merged
+
+
+def _weighted_log_mean(values, weights):
+    try:
+        return sum(torch.as_tensor(v).double().cpu() * w for v, w in zip(values, weights))
+    except (TypeError, RuntimeError):
+        return values[0]
+
+
+def check_steps_per_execution(model):
+    """Raises a clear error for `steps_per_execution > 1` where Keras itself rejects it."""
+    if model.steps_per_execution > 1 and _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION:
+        raise UnsupportedError(
+            "steps_per_execution > 1 is not supported by Keras "
+            f"{keras.version()} on the torch backend. Received: steps_per_execution="
+            f"{model.steps_per_execution}. Compile with steps_per_execution=1 (kdist "
+            "already runs all replicas of a step in one call)."
+        )
