@@ -116,8 +116,22 @@ class CrossDeviceOps(abc.ABC):
         return self.broadcast(reduced, destinations)
 
     def broadcast(self, tensor, destinations):
-        """Returns one copy of `tensor` per destination device."""
-        return [tensor if tensor.device == torch.device(d) else tensor.to(d) for d in destinations]
+        """Returns one copy of `tensor` per destination device.
+
+        The first destination on `tensor`'s own device gets `tensor` itself;
+        every other destination gets a tensor of its own, even where logical
+        CPU replicas share one torch device, so an in-place op on one
+        replica's copy never changes another's.
+        """
+        copies = []
+        for destination in destinations:
+            if tensor.device != torch.device(destination):
+                copies.append(tensor.to(destination))
+            elif any(copy is tensor for copy in copies):
+                copies.append(tensor.clone())
+            else:
+                copies.append(tensor)
+        return copies
 
 
 class ReductionToOneDevice(CrossDeviceOps):

@@ -19,6 +19,7 @@ import threading
 
 from kdist.distribute import nest
 from kdist.errors import StrategyScopeError, UnsupportedError
+from kdist.distribute.values import DistributedValues, PerReplica
 from kdist.types import ReduceOp
 
 _local = threading.local()
@@ -194,9 +195,15 @@ class ReplicaContext:
 
         def merge_fn(strategy, per_replica):
             devices = strategy.extended.worker_devices
-            return nest.map_structure(
-                lambda leaf: strategy.extended.reduce_to(reduce_op, leaf, devices), per_replica
-            )
+
+            def reduce_leaf(leaf):
+                if not isinstance(leaf, DistributedValues):
+                    # Every replica passed this same object (e.g. the constant 1);
+                    # each replica still contributes it once.
+                    leaf = PerReplica([leaf] * len(devices))
+                return strategy.extended.reduce_to(reduce_op, leaf, devices)
+
+            return nest.map_structure(reduce_leaf, per_replica)
 
         return self.merge_call(merge_fn, args=(value,))
 

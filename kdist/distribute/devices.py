@@ -146,6 +146,15 @@ def resolve_devices(devices, argument_name="devices"):
 
 @contextlib.contextmanager
 def device_scope(device):
-    """Places Keras variables/ops and torch factory calls on `device`."""
-    with keras.device(device.keras_name), torch.device(device.torch_device):
-        yield
+    """Places Keras variables and ops (and, on GPUs, torch factory calls) on `device`.
+
+    `torch.device(...)` as a context manager installs a function mode that
+    intercepts every torch call; it is only worth that cost where it changes
+    placement, i.e. on CUDA devices.
+    """
+    with keras.device(device.keras_name):
+        if device.kind == "cpu":
+            yield
+        else:
+            with torch.device(device.torch_device):
+                yield

@@ -17,8 +17,13 @@ from kdist.distribute.input import (
     InputContext,
     ValueContext,
 )
-from kdist.distribute.values import DistributedValues, Mirrored, PerReplica, local_results
-from kdist.collectives.local import divide
+from kdist.distribute.values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    check_num_components,
+    local_results,
+)
 from kdist.errors import InvalidArgumentError, StrategyScopeError
 from kdist.types import ReduceOp
 
@@ -67,6 +72,24 @@ class _Scope:
         return False
 
 
+def _check_gather_shapes(components, axis):
+    """Raises unless the components can be concatenated along `axis`."""
+    shapes = [tuple(component.shape) for component in components]
+    rank = len(shapes[0])
+    if any(len(shape) != rank for shape in shapes) or not -rank <= axis < rank:
+        raise InvalidArgumentError(
+            "Cannot gather: every component needs the same rank and `axis` must lie in "
+            f"[-rank, rank). Received: axis={axis} for component shapes {shapes}."
+        )
+    dim = axis % rank
+    if len({shape[:dim] + shape[dim + 1 :] for shape in shapes}) != 1:
+        raise InvalidArgumentError(
+            "Cannot gather: components must have the same size in every dimension "
+            f"except `axis`. Received: axis={axis} for component shapes {shapes}. "
+            "Gather along the dimension in which they differ."
+        )
+
+
 class StrategyExtended:
     """Implementer-facing half of a strategy: devices, reductions, updates.
 
@@ -84,6 +107,8 @@ class StrategyExtended:
         self.default_replica_context = None
 
     # ----- devices -------------------------------------------------------------
+    # Every method below reads `self.replica_devices`, never the attribute:
+    # the default strategy overrides the property to follow the current device.
     @property
     def replica_devices(self):
         """`Device` objects, one per replica, in replica order."""
@@ -92,12 +117,12 @@ class StrategyExtended:
     @property
     def worker_devices(self):
         """Device names used to run replica functions, one per replica."""
-        return tuple(device.name for device in self._replica_devices)
+        return tuple(device.name for device in self.replica_devices)
 
     @property
     def parameter_devices(self):
         """Device names holding variables; the first replica's device for mirrored variables."""
-        return (self._replica_devices[0].name,)
+        return (self.replica_devices[0].name,)
 
     def non_slot_devices(self, var_list):
         """Devices for variables that are not optimizer slots (e.g. step counters)."""
@@ -111,15 +136,16 @@ class StrategyExtended:
     def replica_device_scope(self, replica_id):
         from kdist.distribute.devices import device_scope
 
-        return device_scope(self._replica_devices[replica_id])
+        return device_scope(self.replica_devices[replica_id])
 
     # ----- running --------------------------------------------------------------
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Runs `fn` once per replica in a replica context; see `Strategy.run`."""
         self._require_cross_replica("call_for_each_replica")
         strategy = self._container_strategy
+        check_num_components((args, kwargs), len(self.replica_devices), "args/kwargs")
         with strategy.scope():
-            if len(self._replica_devices) == 1:
+            if len(self.replica_devices) == 1:
                 return replica_runner.run_single_replica(strategy, fn, args, kwargs)
             return replica_runner.run_per_replica(strategy, fn, args, kwargs)
 
@@ -136,7 +162,7 @@ class StrategyExtended:
         from kdist.distribute.devices import parse_device
 
         if destinations is None or isinstance(destinations, DistributedValues):
-            return [device.torch_device for device in self._replica_devices]
+            return [device.torch_device for device in self.replica_devices]
         if isinstance(destinations, keras.Variable):
             return [destinations.value.device]
         if isinstance(destinations, (str, torch.device)):
@@ -148,7 +174,7 @@ class StrategyExtended:
         if isinstance(value, DistributedValues):
             return [to_tensor(v) for v in value.values]
         tensor = to_tensor(value)
-        num_replicas = len(self._replica_devices)
+        num_replicas = len(self.replica_devices)
         if reduce_op is ReduceOp.SUM and num_replicas > 1:
             raise InvalidArgumentError(
                 "A value that is not distributed cannot be summed across replicas: it "
@@ -196,12 +222,13 @@ class StrategyExtended:
         """Concatenates the replicas' components along `axis` on `destination`."""
         components = self._components(ReduceOp.MEAN, value)
         if not isinstance(value, DistributedValues):
-            components = components * len(self._replica_devices)
+            components = components * len(self.replica_devices)
         if any(component.dim() == 0 for component in components):
             raise InvalidArgumentError(
                 "Cannot gather scalars: components must have rank >= 1. Received a "
                 "rank-0 value. Add a dimension first (e.g. x[None])."
             )
+        _check_gather_shapes(components, axis)
         device = torch.device(destination) if not hasattr(destination, "torch_device") else destination.torch_device
         return torch.cat([c.to(device) for c in components], dim=axis)
 
@@ -336,7 +363,8 @@ class Strategy:
         replicas (they must have the same shape). With `axis=0` each component
         is first reduced along its batch dimension; for `MEAN` the denominator
         is the total number of elements along `axis` across replicas, so a
-        partial last batch split 4/2 averages over 6, not over 2 means.
+        partial last batch split 4/2 averages over 6, not over 2 means, and
+        integer values give a floating-point mean.
 
         Args:
             reduce_op: `kdist.ReduceOp` or `"sum"`/`"mean"` (any case).
@@ -369,7 +397,9 @@ class Strategy:
         if reduce_op is ReduceOp.SUM:
             return total
         count = sum(to_tensor(c).shape[axis] for c in components)
-        return divide(total, count)
+        # True division, as TensorFlow's `truediv`: the mean of integer values
+        # (e.g. per-example correct/incorrect flags) must not truncate to 0.
+        return total / count
 
     def gather(self, value, axis):
         """Concatenates every replica's component of `value` along `axis` on the host.

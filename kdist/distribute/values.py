@@ -61,6 +61,25 @@ def local_results(value):
     return (value,)
 
 
+def check_num_components(structure, num_replicas, argument_name):
+    """Raises unless every distributed leaf of `structure` has `num_replicas` components.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a leaf was made for another number of
+            replicas (e.g. by another strategy); its extra components would be
+            dropped silently.
+    """
+    for leaf in nest.flatten(structure):
+        if isinstance(leaf, DistributedValues) and len(leaf) != num_replicas:
+            raise InvalidArgumentError(
+                f"A distributed value in {argument_name} has {len(leaf)} components, "
+                f"but the strategy runs {num_replicas} replicas. Received: "
+                f"{type(leaf).__name__} with {len(leaf)} components. Build it with "
+                "this strategy (its distributed dataset or "
+                "experimental_distribute_values_from_function)."
+            )
+
+
 def select_replica(replica_id, structure):
     """Picks replica `replica_id`'s component from every distributed leaf."""
 

@@ -25,6 +25,7 @@ PINNED_INTERNALS = {
     "Model.train_function": lambda: keras.Sequential().train_function,
     "Model.test_function": lambda: keras.Sequential().test_function,
     "Model.predict_function": lambda: keras.Sequential().predict_function,
+    "Trainer._loss_tracker": lambda: keras.Sequential()._loss_tracker,
 }
 
 
@@ -43,3 +44,8 @@ def seed_generator_states(model):
                 seen.add(id(generator.state))
                 states.append(generator.state)
     return states
+
+
+def loss_tracker(model):
+    """The `Mean` metric that `train_step`/`test_step` feed the batch loss into (None before compile)."""
+    return getattr(model, "_loss_tracker", None)

@@ -170,7 +170,7 @@ class ReplicaEngine:
     def _state_variables(self):
         signature = state_sync.layout_signature(self._model)
         if self._state is None or self._state.signature != signature:
-            self._state = state_sync.StateVariables(self._model)
+            self._state = state_sync.StateVariables(self._model, self._loss_is_summed())
         return self._state
 
     def _active_shards(self, batch):

@@ -11,6 +11,10 @@ global batch:
   replica 0's value.
 - seed-generator state: replica 0's value. Other replicas run with an offset
   seed so their dropout masks differ; replica 0 advances exactly as plain Keras.
+- the compiled loss tracker's total, when every compiled loss uses
+  `reduction="sum"`: Σ_k (value_k − pre) / share_k. Each replica adds
+  `loss_k · n_k` but plain Keras adds `N · Σ_k loss_k`, because a summed loss
+  is not a per-sample mean.
 - other non-trainable model state (BatchNorm moving statistics, counters):
   "sum" sums the deltas, "only_first_replica" takes replica 0, anything else
   takes the batch-size-weighted mean. For BatchNorm this averages each
@@ -28,6 +32,7 @@ SEED_REPLICA_STRIDE = 1_000_003
 _SUM = "sum"
 _MEAN = "mean"
 _FIRST = "only_first_replica"
+_SCALED_SUM = "scaled_sum"
 
 
 class StateVariables:
@@ -36,7 +41,9 @@ class StateVariables:
     Built once per model layout; rebuild when the model gains variables.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, loss_is_summed=False):
+        tracker = _compat.loss_tracker(model)
+        self.summed_loss_total = tracker.total if (loss_is_summed and tracker is not None) else None
         self.seed_states = _compat.seed_generator_states(model)
         seed_ids = {id(v) for v in self.seed_states}
         self.metric_variables = list(model.metrics_variables)
@@ -69,7 +76,10 @@ def reconcile(state, scopes, weights):
         weights: each replica's share of the global batch (sums to 1).
     """
     for variable in state.metric_variables:
-        _assign(variable, scopes, weights, _metric_rule(variable.aggregation))
+        if variable is state.summed_loss_total:
+            _assign(variable, scopes, weights, _SCALED_SUM)
+        else:
+            _assign(variable, scopes, weights, _metric_rule(variable.aggregation))
     for variable in state.model_state:
         _assign(variable, scopes, weights, _model_state_rule(variable.aggregation))
     for variable in state.seed_states:
@@ -95,6 +105,9 @@ def _assign(variable, scopes, weights, rule):
     elif rule == _SUM:
         base = before.double()
         combined = base + sum(value.double() - base for value in values)
+    elif rule == _SCALED_SUM:
+        base = before.double()
+        combined = base + sum((value.double() - base) / weight for value, weight in zip(values, weights))
     else:
         combined = sum(value.double() * weight for value, weight in zip(values, weights))
     variable.assign(combined.to(before.dtype))
