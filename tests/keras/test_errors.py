@@ -1,0 +1,115 @@
+"""Clear, typed errors for invalid use; nothing is changed when they are raised."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import kdist
+from kdist.errors import InvalidArgumentError, InvalidDeviceError, UnsupportedError
+from tests.keras import _models as m
+
+
+def test_fit_with_global_batch_smaller_than_replicas_raises_and_changes_nothing():
+    model = m.build_in_scope(m.mlp_l2, m.mirrored(3))
+    before = [w.copy() for w in model.get_weights()]
+    x, y = m.classification_data(64)
+    with pytest.raises(InvalidArgumentError, match=r"batch_size=2") as info:
+        model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    assert "global batch" in str(info.value)
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_steps_per_execution_above_one_is_refused_clearly():
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = m.classification_data(64)
+    with pytest.raises(UnsupportedError, match="steps_per_execution=2"):
+        model.fit(x, np.zeros((64, 4), "float32"), batch_size=16, verbose=0)
+
+
+def test_jit_compile_is_turned_off_with_a_warning():
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    x, _ = m.classification_data(64)
+    with pytest.warns(UserWarning, match="jit_compile=True is turned off"):
+        model.fit(x, np.zeros((64, 4), "float32"), batch_size=16, verbose=0)
+    assert model.jit_compile is False
+
+
+@pytest.mark.parametrize(
+    "devices, pattern",
+    [
+        ([], "At least one device"),
+        (["cpu:0", "cpu:0"], "Duplicate devices"),
+        (["tpu:0"], "tpu:0"),
+        (["cuda:7"], "not visible"),
+    ],
+)
+def test_bad_devices_raise(devices, pattern):
+    with pytest.raises(InvalidDeviceError, match=pattern):
+        kdist.MirroredStrategy(devices)
+
+
+def test_merge_call_inside_fit_train_step_is_refused_clearly():
+    class Chatty(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            kdist.get_replica_context().all_reduce("sum", 1.0)
+            return {}
+
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        model = Chatty()
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = m.regression_data(32)
+    with pytest.raises(UnsupportedError, match="strategy.run"):
+        model.fit(x, y, batch_size=16, verbose=0)
+
+
+def _run_python(code, **env):
+    environment = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    environment.update(env)
+    environment["PYTHONPATH"] = os.pathsep.join([os.getcwd(), environment.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=180)
+
+
+def test_import_kdist_selects_torch_when_keras_is_not_imported():
+    result = _run_python("import kdist, keras; print(keras.backend.backend())")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("torch")
+
+
+def test_keras_already_imported_on_another_backend_explains_the_fix(monkeypatch):
+    # No second Keras backend is installable here (TensorFlow and JAX are absent and
+    # the numpy backend imports JAX), so stand in a keras module reporting "tensorflow".
+    import types
+
+    from kdist._backend import ensure_torch_backend
+    from kdist.errors import BackendError
+
+    fake_keras = types.SimpleNamespace(backend=types.SimpleNamespace(backend=lambda: "tensorflow"))
+    monkeypatch.setitem(sys.modules, "keras", fake_keras)
+    with pytest.raises(BackendError, match="Import kdist before keras"):
+        ensure_torch_backend()
+
+
+def test_import_kdist_with_another_backend_requested_explains_the_fix():
+    result = _run_python("import kdist", KERAS_BACKEND="jax")
+    assert result.returncode != 0
+    assert "KERAS_BACKEND='jax'" in result.stderr

@@ -1,0 +1,167 @@
+"""Callbacks, saving and scope rules for models attached to a strategy."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+
+import kdist
+from kdist.errors import StrategyScopeError
+from tests.keras import _models as m
+
+FIT = dict(batch_size=m.GLOBAL_BATCH, verbose=0, shuffle=False)
+
+
+class StopAtEpoch(keras.callbacks.Callback):
+    """Simulates a crash at the start of `epoch`."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("simulated preemption")
+
+
+def test_model_created_in_scope_remembers_its_strategy():
+    strategy = m.mirrored(2)
+    model = m.build_in_scope(m.mlp_l2, strategy)
+    assert model._kdist_strategy is strategy
+    assert not kdist.has_strategy()  # fit/evaluate/predict outside the scope still distribute
+    x, y = m.classification_data(100)
+    model.fit(x, y, epochs=1, **FIT)
+    assert model.train_function.__self__.__class__.__name__ == "ReplicaEngine"
+
+
+def test_model_compiled_in_scope_is_attached():
+    model = m.mlp_l2()
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert model._kdist_strategy is strategy
+
+
+def test_compiling_under_another_strategy_raises():
+    model = m.build_in_scope(m.mlp_l2, m.mirrored(2))
+    with pytest.raises(StrategyScopeError, match="created under"):
+        with m.mirrored(3).scope():
+            model.compile(optimizer="adam", loss="mse")
+
+
+def test_fit_inside_another_strategys_scope_raises():
+    model = m.build_in_scope(m.mlp_l2, m.mirrored(2))
+    x, y = m.classification_data(64)
+    with pytest.raises(StrategyScopeError):
+        with m.mirrored(3).scope():
+            model.fit(x, y, epochs=1, **FIT)
+
+
+def test_plain_models_are_untouched():
+    model = m.mlp_l2()
+    assert not hasattr(model, "_kdist_strategy")
+    assert "fit" not in vars(model)
+
+
+def test_callbacks_behave_as_in_plain_keras(tmp_path):
+    x, y = m.classification_data()
+    xv, yv = m.classification_data(200, seed=3)
+
+    def run(model, directory):
+        directory.mkdir()
+        callbacks = [
+            keras.callbacks.ModelCheckpoint(str(directory / "best.keras"), save_best_only=True),
+            keras.callbacks.ModelCheckpoint(str(directory / "{epoch}.weights.h5"), save_weights_only=True),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0),
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9),
+            keras.callbacks.CSVLogger(str(directory / "log.csv")),
+        ]
+        return model.fit(x, y, epochs=4, validation_data=(xv, yv), callbacks=callbacks, **FIT)
+
+    reference = m.mlp_l2()
+    distributed = m.build_in_scope(m.mlp_l2, m.mirrored(3))
+    ref_history = run(reference, tmp_path / "plain")
+    dist_history = run(distributed, tmp_path / "kdist")
+
+    assert ref_history.epoch == dist_history.epoch
+    m.assert_same_history(ref_history.history, dist_history.history)
+    m.assert_same_state(reference, distributed)
+    with open(tmp_path / "plain" / "log.csv") as ref_file, open(tmp_path / "kdist" / "log.csv") as dist_file:
+        ref_rows, dist_rows = list(csv.DictReader(ref_file)), list(csv.DictReader(dist_file))
+    assert [row["epoch"] for row in ref_rows] == [row["epoch"] for row in dist_rows]
+    for ref_row, dist_row in zip(ref_rows, dist_rows):
+        for key in ref_row:
+            assert float(dist_row[key]) == pytest.approx(float(ref_row[key]), abs=1e-5)
+    assert sorted(os.listdir(tmp_path / "plain")) == sorted(os.listdir(tmp_path / "kdist"))
+    best = keras.saving.load_model(tmp_path / "kdist" / "best.keras")
+    np.testing.assert_allclose(
+        best.predict(xv, verbose=0), distributed.predict(xv, verbose=0), atol=1e-5
+    )
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit(tmp_path):
+    x, y = m.classification_data()
+    backup = str(tmp_path / "backup")
+
+    uninterrupted = m.build_in_scope(m.mlp_l2, m.mirrored(2))
+    uninterrupted.fit(x, y, epochs=4, **FIT)
+
+    resumed = m.build_in_scope(m.mlp_l2, m.mirrored(2))
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        resumed.fit(x, y, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup), StopAtEpoch(2)], **FIT)
+    fresh = m.build_in_scope(lambda: m.mlp_l2(seed=123), m.mirrored(2))  # a restarted job
+    history = fresh.fit(x, y, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup)], **FIT)
+
+    assert history.epoch == [2, 3]
+    m.assert_same_state(uninterrupted, fresh)
+
+
+def test_saved_model_loads_in_a_process_without_kdist(tmp_path):
+    x, y = m.classification_data(200)
+    model = m.build_in_scope(m.mlp_dropout_batchnorm, m.mirrored(2))
+    model.fit(x, y, epochs=1, **FIT)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
+        config = archive.read("config.json").decode()
+    assert "kdist" not in config
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "expected.npy", model.predict(x, verbose=0))
+    script = f"""
+import sys, numpy as np, keras
+model = keras.saving.load_model({str(path)!r})
+assert "kdist" not in sys.modules, "kdist was imported"
+out = model.predict(np.load({str(tmp_path / 'x.npy')!r}), verbose=0)
+np.testing.assert_allclose(out, np.load({str(tmp_path / 'expected.npy')!r}), atol=1e-6)
+print("LOADED", type(model).__name__)
+"""
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH="")
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "LOADED Sequential" in result.stdout
+
+
+def test_save_weights_and_load_weights_roundtrip(tmp_path):
+    x, y = m.classification_data(200)
+    model = m.build_in_scope(m.mlp_l2, m.mirrored(2))
+    model.fit(x, y, epochs=1, **FIT)
+    model.save_weights(tmp_path / "w.weights.h5")
+    plain = m.mlp_l2(seed=5)
+    plain.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_history_json_serialisable():
+    x, y = m.classification_data(200)
+    model = m.build_in_scope(m.mlp_l2, m.mirrored(2))
+    history = model.fit(x, y, epochs=1, **FIT)
+    json.dumps(history.history)
