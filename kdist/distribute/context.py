@@ -18,8 +18,8 @@ The stack is kdist's own and per thread, not Keras' global state:
 import threading
 
 from kdist.distribute import nest
-from kdist.errors import StrategyScopeError, UnsupportedError
 from kdist.distribute.values import DistributedValues, PerReplica
+from kdist.errors import StrategyScopeError, UnsupportedError
 from kdist.types import ReduceOp
 
 _local = threading.local()

@@ -100,6 +100,8 @@ class ReplicaEngine:
         self._devices = strategy.extended.replica_devices
         self._num_replicas = len(self._devices)
         self._state = None
+        # The engine is rebuilt by every compile(), so the compiled loss is fixed here.
+        self._summed_loss = _all_losses_summed(model)
 
     # ----- Keras step-function entry points (receive a list of batches) -----
     def train_function(self, data):
@@ -170,7 +172,7 @@ class ReplicaEngine:
     def _state_variables(self):
         signature = state_sync.layout_signature(self._model)
         if self._state is None or self._state.signature != signature:
-            self._state = state_sync.StateVariables(self._model, self._loss_is_summed())
+            self._state = state_sync.StateVariables(self._model, self._summed_loss)
         return self._state
 
     def _active_shards(self, batch):
@@ -238,7 +240,7 @@ class ReplicaEngine:
                 )
         if _TESTING_FAULTS.unweighted_gradient_mean:
             weights = [1.0 / len(weights)] * len(weights)
-        if self._loss_is_summed():
+        if self._summed_loss:
             weights = [1.0] * len(weights)
         device = self._devices[0].torch_device
         for call_index in range(num_calls):
@@ -269,11 +271,6 @@ class ReplicaEngine:
                         "a train_step whose control flow depends on the replica."
                     )
 
-    def _loss_is_summed(self):
-        losses = keras.tree.flatten(self._model.loss) if self._model.loss is not None else []
-        reductions = {getattr(loss, "reduction", None) for loss in losses}
-        return reductions == {"sum"}
-
     def _merge_logs(self, replica_logs, weights):
         first = replica_logs[0]
         if len(replica_logs) == 1 or not isinstance(first, dict):
@@ -286,6 +283,12 @@ class ReplicaEngine:
             else:
                 merged[key] = _weighted_log_mean([logs[key] for logs in replica_logs], weights)
         return merged
+
+
+def _all_losses_summed(model):
+    """True when every compiled loss uses `reduction="sum"` (gradients then add up, not average)."""
+    losses = keras.tree.flatten(model.loss) if getattr(model, "loss", None) is not None else []
+    return bool(losses) and {getattr(loss, "reduction", None) for loss in losses} == {"sum"}
 
 
 def _weighted_log_mean(values, weights):
