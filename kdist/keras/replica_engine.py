@@ -138,6 +138,7 @@ class ReplicaEngine:
             finally:
                 _recording.recorder = None
             results.append((scope, logs, recorder))
+        self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
         weights = self._weights(replicas)
         self._apply_gradients(replicas, [r[2] for r in results], weights)
         state_sync.reconcile(state, [r[0] for r in results], weights)
@@ -150,6 +151,7 @@ class ReplicaEngine:
             self._run_replica(replica_id, self._model.test_step, shard, state, training=False)
             for replica_id, shard, _ in replicas
         ]
+        self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
         weights = self._weights(replicas)
         state_sync.reconcile(state, [r[0] for r in results], weights)
         return self._merge_logs([r[1] for r in results], weights)
@@ -226,6 +228,26 @@ class ReplicaEngine:
         finally:
             context.pop(self._strategy)
         return scope, logs
+
+    def _check_summed_loss_has_no_penalties(self, state, scopes):
+        """Refuses `reduction="sum"` losses combined with per-model penalties, before any update.
+
+        Every replica adds the whole penalty (weight regularizers, `add_loss`) to
+        its loss. With per-sample-mean losses the weighted gradient mean counts it
+        once; with summed losses the gradients are added, so it would count once
+        per replica.
+        """
+        if not self._summed_loss:
+            return
+        if state.has_weight_regularizers or any(scope.losses for scope in scopes):
+            raise UnsupportedError(
+                "A loss with reduction='sum' cannot be combined with weight regularizers "
+                "or add_loss() penalties under MirroredStrategy with several replicas: "
+                "each replica adds the whole penalty, so summing the replicas' gradients "
+                "would count it once per replica. Received: loss reduction 'sum' and "
+                "model penalties. Use reduction='sum_over_batch_size' (the default), or "
+                "scale the penalty into the summed loss yourself."
+            )
 
     def _apply_gradients(self, replicas, recorders, weights):
         calls_per_replica = [recorder.calls for recorder in recorders]

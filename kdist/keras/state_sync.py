@@ -53,6 +53,9 @@ class StateVariables:
             for v in model.non_trainable_variables
             if id(v) not in seed_ids and id(v) not in metric_ids
         ]
+        self.has_weight_regularizers = any(
+            getattr(v, "regularizer", None) is not None for v in model.trainable_variables
+        )
         self.signature = layout_signature(model)
 
 

@@ -226,6 +226,27 @@ def test_sum_reduction_loss_uses_plain_gradient_sum():
     assert_equivalent(summed, 3, x, y)
 
 
+def test_sum_reduction_loss_with_regularizer_is_refused_before_any_update():
+    def summed_regularized():
+        m.seeded()
+        model = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L2(1.0))]
+        )
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+        return model
+
+    from kdist.errors import UnsupportedError
+
+    x, y = m.regression_data(64)
+    model = m.build_in_scope(summed_regularized, m.mirrored(2))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(UnsupportedError, match="reduction='sum'"):
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
 def test_class_weight_matches():
     x, y = m.classification_data()
     reference = m.mlp_l2()
