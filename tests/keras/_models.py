@@ -16,6 +16,15 @@ def seeded(seed=7):
     keras.utils.set_random_seed(seed)
 
 
+def compile_classifier(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
 def mlp_dropout_batchnorm(seed=7):
     """Sequential MLP with L2, BatchNormalization and Dropout."""
     seeded(seed)
@@ -28,12 +37,7 @@ def mlp_dropout_batchnorm(seed=7):
             keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(1e-3)),
         ]
     )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_classifier(model)
 
 
 def mlp_l2(seed=7):
@@ -51,12 +55,7 @@ def mlp_l2(seed=7):
             keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(1e-3)),
         ]
     )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_classifier(model)
 
 
 def two_input_two_output(seed=7):
