@@ -141,6 +141,9 @@ def _make_function(model, kind, engine):
     attribute = f"{kind}_function"
 
     def make_function(self, force=False):
+        # Keras calls this at the start of every fit/evaluate/predict: the one
+        # point where layers or trainability may have changed since the last step.
+        engine.forget_layout()
         current = getattr(self, attribute)
         if current is not None and not force:
             return current

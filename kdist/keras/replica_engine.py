@@ -171,9 +171,12 @@ class ReplicaEngine:
         )
 
     # ----- helpers ---------------------------------------------------------
+    def forget_layout(self):
+        """Re-reads the model's variables at the next step (layers may have changed between calls)."""
+        self._state = None
+
     def _state_variables(self):
-        signature = state_sync.layout_signature(self._model)
-        if self._state is None or self._state.signature != signature:
+        if self._state is None or not self._state.complete:
             self._state = state_sync.StateVariables(self._model, self._summed_loss)
         return self._state
 
@@ -193,7 +196,7 @@ class ReplicaEngine:
         if device == canonical_device:
             # Regularizers read trainable values through the scope, so map them
             # to the canonical Parameters themselves: no copy, still leaves.
-            mapping = [(v, _compat.torch_tensor_of(v)) for v in model.trainable_variables]
+            mapping = list(state.canonical_mapping)
         else:
             variables = list(model.variables) + state.metric_variables
             copies = copy_to_device([_compat.torch_tensor_of(v).detach() for v in variables], device)

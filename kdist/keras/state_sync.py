@@ -38,7 +38,8 @@ _SCALED_SUM = "scaled_sum"
 class StateVariables:
     """The non-trainable variables a step may update, grouped by reconciliation rule.
 
-    Built once per model layout; rebuild when the model gains variables.
+    A snapshot of the model's layout, taken once per `fit`/`evaluate`/`predict`
+    call (see `ReplicaEngine.forget_layout`) instead of walking the layers every step.
     """
 
     def __init__(self, model, loss_is_summed=False):
@@ -53,15 +54,16 @@ class StateVariables:
             for v in model.non_trainable_variables
             if id(v) not in seed_ids and id(v) not in metric_ids
         ]
+        self.trainable = list(model.trainable_variables)
+        # What replicas on the canonical device read: the canonical Parameters
+        # themselves (updates happen in place, so the tensors never change).
+        self.canonical_mapping = [(v, _compat.torch_tensor_of(v)) for v in self.trainable]
         self.has_weight_regularizers = any(
-            getattr(v, "regularizer", None) is not None for v in model.trainable_variables
+            getattr(v, "regularizer", None) is not None for v in self.trainable
         )
-        self.signature = layout_signature(model)
-
-
-def layout_signature(model):
-    """Cheap fingerprint that changes when variables are added to the model or its metrics."""
-    return (len(model.variables), len(model.metrics_variables), len(model.trainable_variables))
+        # A model built lazily by its first predict batch gains variables after
+        # this snapshot; an unbuilt snapshot is taken again at the next step.
+        self.complete = model.built
 
 
 def seed_offset(state_value, replica_id):
