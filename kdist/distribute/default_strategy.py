@@ -20,14 +20,14 @@ class _DefaultExtended(StrategyExtended):
     @property
     def replica_devices(self):
         # Follows the caller's current Keras device (e.g. inside `keras.device("cuda:1")`).
-        return (parse_device(_current_keras_device()),)
+        return (parse_device(_current_torch_device()),)
 
     def replica_device_scope(self, replica_id):
         # Ordinary code stays where the caller put it.
         return contextlib.nullcontext()
 
 
-def _current_keras_device():
+def _current_torch_device():
     # Keras' torch backend places tensors on the current CUDA device when one is
     # visible, else on the CPU; kdist reports the same (KERAS_TORCH_DEVICE
     # overrides are not reflected in this informational value).
