@@ -1,0 +1,176 @@
+"""`TorchrunClusterResolver`: the cluster torchrun describes in environment variables.
+
+torchrun (and `torch.distributed.launch`) starts one process per rank and sets
+`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
+`MASTER_PORT`. Every rank is a `"worker"` task; rank 0 is the chief. torchrun's
+agent already hosts the TCPStore when it sets
+`TORCHELASTIC_USE_AGENT_STORE=True`.
+"""
+
+import os
+import re
+
+from kdist.cluster.resolvers import ClusterResolver, format_master_url
+from kdist.cluster.rendezvous import Rendezvous
+from kdist.cluster.spec import ClusterSpec, format_address
+from kdist.errors import InvalidArgumentError
+from kdist.types import TaskType
+
+REQUIRED_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_INTEGER_PATTERN = re.compile(r"[0-9]+")
+# torch itself compares the variable with str(True); "true" or "1" do not count.
+_AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def _integer(environ, name, lowest, highest, expected):
+    text = str(environ[name])
+    value = int(text.strip()) if _INTEGER_PATTERN.fullmatch(text.strip()) else None
+    if value is None or not lowest <= value <= highest:
+        raise InvalidArgumentError(
+            f"Malformed torchrun environment variable. Received: {name}={text!r}. "
+            f"Expected {expected}."
+        )
+    return value
+
+
+class TorchrunClusterResolver(ClusterResolver):
+    """Reads this process's rank and rendezvous point from the torchrun environment.
+
+    The variables are read and validated once, at construction. torchrun does
+    not tell a process where the other ranks listen, so `cluster_spec()` holds
+    pseudo-addresses: `{"worker": ["MASTER_ADDR:MASTER_PORT",
+    "torchrun-rank-1", ...]}`. Only worker 0's entry is a real endpoint (the
+    rendezvous point); do not dial the others.
+
+    Defaults when a variable is absent: `LOCAL_WORLD_SIZE` = `WORLD_SIZE` (all
+    ranks on this host, as a single-node launch without torchrun usually
+    means), `LOCAL_RANK` = `RANK % LOCAL_WORLD_SIZE` (torchrun numbers ranks
+    host by host).
+
+    Args:
+        environ: a mapping to read the variables from; None reads `os.environ`.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a variable is missing or malformed;
+            the message names it (e.g. `RANK` not below `WORLD_SIZE`, a
+            non-integer, `MASTER_PORT` out of range).
+
+    Example:
+
+    >>> resolver = TorchrunClusterResolver({"RANK": "1", "WORLD_SIZE": "2",
+    ...     "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    >>> resolver.task_type, resolver.task_id, resolver.is_chief
+    ('worker', 1, False)
+    """
+
+    def __init__(self, environ=None):
+        environ = os.environ if environ is None else environ
+        for name in REQUIRED_VARIABLES:
+            if name not in environ:
+                raise InvalidArgumentError(
+                    f"A torchrun environment variable is missing. Received: {name} unset "
+                    f"(set: {[key for key in REQUIRED_VARIABLES if key in environ]}). "
+                    f"Expected all of {list(REQUIRED_VARIABLES)}; launch with torchrun or "
+                    "set them yourself."
+                )
+        world_size = _integer(environ, "WORLD_SIZE", 1, 2**31, "a positive integer")
+        rank = _integer(
+            environ, "RANK", 0, world_size - 1, f"an integer in 0..WORLD_SIZE-1={world_size - 1}"
+        )
+        if "LOCAL_WORLD_SIZE" in environ:
+            local_world_size = _integer(
+                environ,
+                "LOCAL_WORLD_SIZE",
+                1,
+                world_size,
+                f"an integer in 1..WORLD_SIZE={world_size}",
+            )
+        else:
+            local_world_size = world_size
+        if "LOCAL_RANK" in environ:
+            local_rank = _integer(
+                environ,
+                "LOCAL_RANK",
+                0,
+                local_world_size - 1,
+                f"an integer in 0..LOCAL_WORLD_SIZE-1={local_world_size - 1}",
+            )
+        else:
+            local_rank = rank % local_world_size
+        master_port = _integer(environ, "MASTER_PORT", 1, 65535, "a port in 1..65535")
+        master_addr = environ["MASTER_ADDR"].strip()
+        if not master_addr or any(character.isspace() for character in master_addr):
+            raise InvalidArgumentError(
+                f"Malformed torchrun environment variable. "
+                f"Received: MASTER_ADDR={environ['MASTER_ADDR']!r}. Expected the host "
+                "name or IP address of rank 0."
+            )
+        self._master_address = format_address(master_addr.strip("[]"), master_port)
+        self._rendezvous = Rendezvous(
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            master_addr=master_addr.strip("[]"),
+            master_port=master_port,
+            store_is_external=environ.get(_AGENT_STORE_VARIABLE) == str(True),
+        )
+        self._cluster_spec = ClusterSpec(
+            {
+                TaskType.WORKER.value: [self._master_address]
+                + [f"torchrun-rank-{index}" for index in range(1, world_size)]
+            }
+        )
+
+    @staticmethod
+    def is_available(environ=None):
+        """Returns True when `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` are set.
+
+        Args:
+            environ: the mapping to look in; None looks in `os.environ`.
+
+        Example:
+
+        >>> TorchrunClusterResolver.is_available({"RANK": "0"})
+        False
+        """
+        environ = os.environ if environ is None else environ
+        return all(name in environ for name in REQUIRED_VARIABLES)
+
+    def cluster_spec(self):
+        """Returns `{"worker": [...]}` with one entry per rank (pseudo-addresses but rank 0)."""
+        return self._cluster_spec
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        """Returns the rendezvous point `"MASTER_ADDR:MASTER_PORT"`.
+
+        Args:
+            task_type: unused: torchrun only tells where rank 0 listens.
+            task_id: unused.
+            rpc_layer: optional protocol prefix, e.g. `"tcp"`.
+        """
+        del task_type, task_id
+        return format_master_url(self._master_address, rpc_layer)
+
+    @property
+    def task_type(self):
+        """Always `"worker"`."""
+        return TaskType.WORKER.value
+
+    @property
+    def task_id(self):
+        """This process's `RANK`."""
+        return self._rendezvous.rank
+
+    @property
+    def is_chief(self):
+        """True for rank 0."""
+        return self._rendezvous.rank == 0
+
+    def rendezvous(self):
+        """Returns the `Rendezvous` the torchrun variables describe.
+
+        `store_is_external` is True when `TORCHELASTIC_USE_AGENT_STORE=True`
+        (torchrun's agent hosts the store: use `init_method="env://"`).
+        """
+        return self._rendezvous
