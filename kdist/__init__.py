@@ -16,12 +16,14 @@ from kdist._backend import ensure_torch_backend
 ensure_torch_backend()
 
 from kdist import errors  # noqa: E402
-from kdist.collectives import CrossDeviceOps, ReductionToOneDevice  # noqa: E402
+from kdist import cluster  # noqa: E402
+from kdist.collectives import CommunicationOptions, CrossDeviceOps, ReductionToOneDevice  # noqa: E402
 from kdist.distribute import (  # noqa: E402
     DistributedValues,
     InputContext,
     Mirrored,
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     PerReplica,
     ReplicaContext,
     Strategy,
@@ -41,11 +43,13 @@ _keras_hooks.install()
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationOptions",
     "CrossDeviceOps",
     "DistributedValues",
     "InputContext",
     "Mirrored",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -54,6 +58,7 @@ __all__ = [
     "StrategyExtended",
     "ValueContext",
     "VariableAggregation",
+    "cluster",
     "errors",
     "get_cross_replica_context",
     "get_replica_context",

@@ -60,3 +60,26 @@ class UnsupportedError(KdistError, RuntimeError):
 
 class BackendError(KdistError, RuntimeError):
     """Keras was imported with a backend kdist cannot drive."""
+
+
+class CollectiveTimeoutError(KdistError, RuntimeError):
+    """A cross-process collective did not complete: a rank died, stalled or disconnected.
+
+    Raised on every surviving rank instead of hanging. Retryable at the level of
+    the job: restart every process (with `keras.callbacks.BackupAndRestore` the
+    job resumes from its last completed epoch).
+
+    Attributes:
+        operation: the collective that failed, e.g. `"all_reduce(gradients)"`.
+        missing_ranks: the ranks that did not take part, as far as the
+            survivors could tell (empty when it could not be determined).
+        timeout_seconds: the timeout the collective ran under.
+    """
+
+    retryable = True
+
+    def __init__(self, message, operation=None, missing_ranks=(), timeout_seconds=None):
+        super().__init__(message)
+        self.operation = operation
+        self.missing_ranks = tuple(missing_ranks)
+        self.timeout_seconds = timeout_seconds

@@ -1,5 +1,6 @@
-"""Cross-device reductions: in-process (device copies) now, torch.distributed later."""
+"""Reductions: between devices of one process (`local`) and between processes (`process`)."""
 
 from kdist.collectives.local import CrossDeviceOps, ReductionToOneDevice
+from kdist.collectives.process import CommunicationOptions
 
-__all__ = ["CrossDeviceOps", "ReductionToOneDevice"]
+__all__ = ["CommunicationOptions", "CrossDeviceOps", "ReductionToOneDevice"]

@@ -16,6 +16,7 @@ from kdist.distribute.input import (
     ValueContext,
 )
 from kdist.distribute.mirrored import MirroredStrategy
+from kdist.distribute.multi_worker import MultiWorkerMirroredStrategy
 from kdist.distribute.strategy import Strategy, StrategyExtended
 from kdist.distribute.values import DistributedValues, Mirrored, PerReplica
 
@@ -27,6 +28,7 @@ __all__ = [
     "InputContext",
     "Mirrored",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "PerReplica",
     "ReplicaContext",
     "Strategy",

@@ -144,7 +144,8 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self):
-        return self._replica_id
+        # Replicas are numbered across every process of a multi-worker job.
+        return self._strategy.extended.first_replica_id + self._replica_id
 
     @property
     def num_replicas_in_sync(self):

@@ -97,7 +97,7 @@ def run_per_replica(strategy, fn, args=(), kwargs=None):
         kdist.errors.ReplicaSyncError: replicas disagreed about `merge_call`.
     """
     kwargs = kwargs or {}
-    num_replicas = strategy.num_replicas_in_sync
+    num_replicas = len(strategy.extended.replica_devices)
     threads = [
         _ReplicaThread(
             strategy,

@@ -106,6 +106,20 @@ class StrategyExtended:
         self._colocation_stack = []
         self.default_replica_context = None
 
+    @property
+    def num_replicas_in_sync(self):
+        """Replicas in every process together; `replica_devices` are this process's."""
+        return len(self.replica_devices)
+
+    # One input pipeline per process: `InputContext` fields for this process.
+    num_input_pipelines = 1
+    input_pipeline_id = 0
+
+    @property
+    def first_replica_id(self):
+        """`replica_id_in_sync_group` of this process's first replica (0 in one process)."""
+        return 0
+
     # ----- devices -------------------------------------------------------------
     # Every method below reads `self.replica_devices`, never the attribute:
     # the default strategy overrides the property to follow the current device.
@@ -311,8 +325,8 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self):
-        """How many replicas compute each step and have their gradients combined."""
-        return len(self._extended.replica_devices)
+        """How many replicas compute each step and have their gradients combined (in every process)."""
+        return self._extended.num_replicas_in_sync
 
     def scope(self):
         """Makes this strategy current: models, optimizers and metrics created inside belong to it.
@@ -392,7 +406,7 @@ class Strategy:
             return self._extended.reduce_to(reduce_op, value, HOST_DEVICE)
         components = self._extended._components(ReduceOp.MEAN, value)
         if not isinstance(value, DistributedValues):
-            components = components * self.num_replicas_in_sync
+            components = components * len(self._extended.replica_devices)
         total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
         if reduce_op is ReduceOp.SUM:
             return total
@@ -430,7 +444,7 @@ class Strategy:
             return local_results(value)
         from kdist.distribute.values import select_replica
 
-        return tuple(select_replica(k, value) for k in range(self.num_replicas_in_sync))
+        return tuple(select_replica(k, value) for k in range(len(self._extended.replica_devices)))
 
     def unwrap(self, value):
         """TF1 spelling of `experimental_local_results`, returning a list."""
@@ -460,8 +474,8 @@ class Strategy:
         """
         del options
         input_context = InputContext(
-            num_input_pipelines=1,
-            input_pipeline_id=0,
+            num_input_pipelines=self._extended.num_input_pipelines,
+            input_pipeline_id=self._extended.input_pipeline_id,
             num_replicas_in_sync=self.num_replicas_in_sync,
         )
         return DistributedDatasetFromFunction(
@@ -479,12 +493,13 @@ class Strategy:
         strategy.experimental_local_results(values)   # (3.0, 2.0) with 2 replicas
         ```
         """
-        num_replicas = self.num_replicas_in_sync
+        num_local = len(self._extended.replica_devices)
+        first = self._extended.first_replica_id
         values = []
-        for replica_id in range(num_replicas):
+        for replica_id in range(num_local):
             with self._extended.replica_device_scope(replica_id):
-                values.append(value_fn(ValueContext(replica_id, num_replicas)))
-        return values[0] if num_replicas == 1 else PerReplica(values)
+                values.append(value_fn(ValueContext(first + replica_id, self.num_replicas_in_sync)))
+        return values[0] if num_local == 1 else PerReplica(values)
 
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"

@@ -5,10 +5,15 @@ Each private name used here is listed in `PINNED_INTERNALS` and checked by
 message naming it instead of breaking training silently.
 """
 
+import collections
+
 import keras
+from keras.src.backend.torch import trainer as _torch_trainer_module
 from keras.src.trainers import trainer as _trainer_module
+from keras.src.trainers.data_adapters import array_data_adapter as _array_adapter_module
 
 Trainer = _trainer_module.Trainer
+TorchEpochIterator = _torch_trainer_module.TorchEpochIterator
 
 # Keras releases up to 3.15 reject `steps_per_execution > 1` in the torch
 # trainer; later releases loop over the list of batches a step receives.
@@ -26,7 +31,67 @@ PINNED_INTERNALS = {
     "Model.test_function": lambda: keras.Sequential().test_function,
     "Model.predict_function": lambda: keras.Sequential().predict_function,
     "Trainer._loss_tracker": lambda: keras.Sequential()._loss_tracker,
+    "keras.src.backend.torch.trainer.TorchEpochIterator._get_iterator": lambda: TorchEpochIterator._get_iterator,
+    "EpochIterator._num_batches": lambda: _probe_epoch_iterator()._num_batches,
+    "EpochIterator.data_adapter": lambda: _probe_epoch_iterator().data_adapter,
+    "ArrayDataAdapter": lambda: _array_adapter_module.ArrayDataAdapter,
+    "BackupAndRestore._weights_path": lambda: _probe_backup()._weights_path,
+    "BackupAndRestore._training_metadata_path": lambda: _probe_backup()._training_metadata_path,
+    "BackupAndRestore._prev_weights_path": lambda: _probe_backup()._prev_weights_path,
+    "BackupAndRestore._prev_training_metadata_path": lambda: _probe_backup()._prev_training_metadata_path,
+    "BackupAndRestore._current_epoch": lambda: _probe_backup()._current_epoch,
+    "BackupAndRestore._last_batch_seen": lambda: _probe_backup()._last_batch_seen,
+    "BackupAndRestore._save_model": lambda: _probe_backup()._save_model,
 }
+
+
+def _probe_epoch_iterator():
+    import numpy as np
+
+    return TorchEpochIterator(x=np.zeros((4, 1)), y=np.zeros((4,)), batch_size=2)
+
+
+def _probe_backup():
+    import tempfile
+
+    return keras.callbacks.BackupAndRestore(tempfile.gettempdir() + "/kdist-probe")
+
+
+# ----- epoch iterators -----------------------------------------------------------
+def epoch_iterator_num_batches(epoch_iterator):
+    """Batches per epoch as the iterator knows it (None when unknown yet)."""
+    return epoch_iterator._num_batches
+
+
+def set_epoch_iterator_num_batches(epoch_iterator, num_batches):
+    epoch_iterator._num_batches = num_batches
+
+
+def is_array_adapter(epoch_iterator):
+    """True when the iterator slices in-memory arrays (same length on every rank)."""
+    return isinstance(epoch_iterator.data_adapter, _array_adapter_module.ArrayDataAdapter)
+
+
+# ----- BackupAndRestore -------------------------------------------------------------
+BackupPaths = collections.namedtuple(
+    "BackupPaths", "backup_dir weights metadata previous_weights previous_metadata"
+)
+
+
+def backup_paths(callback):
+    """Where a `BackupAndRestore` keeps its files."""
+    return BackupPaths(
+        callback.backup_dir,
+        callback._weights_path,
+        callback._training_metadata_path,
+        callback._prev_weights_path,
+        callback._prev_training_metadata_path,
+    )
+
+
+def backup_metadata(callback):
+    """The JSON document Keras' `BackupAndRestore` writes beside the weights."""
+    return {"epoch": callback._current_epoch, "batch": callback._last_batch_seen}
 
 
 def torch_tensor_of(variable):
@@ -49,3 +114,20 @@ def seed_generator_states(model):
 def loss_tracker(model):
     """The `Mean` metric that `train_step`/`test_step` feed the batch loss into (None before compile)."""
     return getattr(model, "_loss_tracker", None)
+
+
+def local_metrics_result(model):
+    """`Trainer.get_metrics_result` as Keras 3.15 computes it: no reduction across processes.
+
+    Later Keras releases all-reduce metric variables inside
+    `get_metrics_result` when `torch.distributed` is initialised; kdist has
+    already combined them, so reducing again would count every rank twice.
+    """
+    results = {}
+    for metric in model.metrics:
+        result = metric.result()
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results

@@ -20,7 +20,7 @@ import warnings
 
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat
+from kdist.keras import _compat, multi_worker, replica_engine
 from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution, wrap_optimizer
 
 _SCOPED_METHODS = (
@@ -62,8 +62,16 @@ def install():
         attach(self, strategy)
         return result
 
+    original_get_iterator = _compat.TorchEpochIterator._get_iterator
+
+    @functools.wraps(original_get_iterator)
+    def _get_iterator(self):
+        # A no-op unless a multi-worker fit/evaluate/predict runs in this thread.
+        return multi_worker.synchronised_iterable(self, original_get_iterator(self))
+
     trainer.__init__ = __init__
     trainer.compile = compile
+    _compat.TorchEpochIterator._get_iterator = _get_iterator
     _installed = True
 
 
@@ -92,6 +100,9 @@ def attach(model, strategy):
             _override(model, name, _scoped(model, name))
         object.__setattr__(model, "_kdist_attached", True)
     wrap_optimizer(getattr(model, "optimizer", None))
+    if multi_worker.collectives_of(strategy) is not None and not replica_engine._TESTING_FAULTS.upstream_metrics_result:
+        # Metrics are already combined across processes by kdist (see _compat).
+        _override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
     if strategy.num_replicas_in_sync > 1:
         engine = ReplicaEngine(model, strategy)
         for kind in ("train", "test", "predict"):
@@ -116,7 +127,18 @@ def _scoped(model, name):
                 f"model.{name}() was called inside the scope of {context.get_strategy()!r}, "
                 f"but model '{self.name}' belongs to {strategy!r}."
             )
+        collectives = multi_worker.collectives_of(strategy)
         with strategy.scope():
+            if collectives is None:
+                return method(self, *args, **kwargs)
+            if name in ("save", "save_weights"):
+                filepath, *rest = args if args else (kwargs.pop("filepath"),)
+                return multi_worker.collective_save(strategy, method, self, filepath, rest, kwargs)
+            if name in ("fit", "evaluate", "predict"):
+                share = not replica_engine._TESTING_FAULTS.unshared_random_state
+                args, kwargs = multi_worker.adjust_call(method, self, args, kwargs, strategy, share)
+                with multi_worker.input_synchronisation(collectives):
+                    return method(self, *args, **kwargs)
             return method(self, *args, **kwargs)
 
     functools.update_wrapper(scoped, method)

@@ -32,7 +32,7 @@ from kdist.collectives.local import copy_to_device, weighted_sum
 from kdist.distribute import context
 from kdist.distribute.batching import split_batch
 from kdist.errors import ReplicaGradientError, UnsupportedError
-from kdist.keras import _compat, state_sync
+from kdist.keras import _compat, process_sync, state_sync
 
 
 @dataclasses.dataclass
@@ -45,11 +45,23 @@ class FaultInjection:
         drop_replica_losses: run replicas with `collect_losses=False`, which
             silently drops `add_loss` and activity-regularizer losses.
         drop_replica_gradients: pretend replicas k >= 1 produced no gradients.
+        unshared_random_state: in a multi-worker job, let every rank shuffle
+            with its own random state instead of rank 0's.
+        ddp_averaged_gradients: in a multi-worker job, first replace every
+            replica's gradients by their plain mean over ranks, as a
+            `DistributedDataParallel` wrap would during backward, so gradients
+            are reduced twice.
+        upstream_metrics_result: in a multi-worker job, keep Keras' own
+            `get_metrics_result` (later Keras releases reduce metrics across
+            processes there, so they would be reduced twice).
     """
 
     unweighted_gradient_mean: bool = False
     drop_replica_losses: bool = False
     drop_replica_gradients: bool = False
+    unshared_random_state: bool = False
+    ddp_averaged_gradients: bool = False
+    upstream_metrics_result: bool = False
 
 
 _TESTING_FAULTS = FaultInjection()
@@ -99,7 +111,10 @@ class ReplicaEngine:
         self._strategy = strategy
         self._devices = strategy.extended.replica_devices
         self._num_replicas = len(self._devices)
+        # Set for a multi-worker strategy: the reductions between processes.
+        self._processes = process_sync.for_strategy(strategy)
         self._state = None
+        self._needs_broadcast = True
         # The engine is rebuilt by every compile(), so the compiled loss is fixed here.
         self._summed_loss = _all_losses_summed(model)
 
@@ -128,7 +143,7 @@ class ReplicaEngine:
     def _train_batch(self, batch):
         model = self._model
         state = self._state_variables()
-        replicas = self._active_shards(batch)
+        replicas, total = self._active_shards(batch)
         results = []
         for replica_id, shard, _ in replicas:
             recorder = GradientRecorder()
@@ -139,54 +154,88 @@ class ReplicaEngine:
                 _recording.recorder = None
             results.append((scope, logs, recorder))
         self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
-        weights = self._weights(replicas)
+        weights = self._weights(replicas, total)
         self._apply_gradients(replicas, [r[2] for r in results], weights)
-        state_sync.reconcile(state, [r[0] for r in results], weights)
+        self._reconcile(state, [r[0] for r in results], weights)
         return self._merge_logs([r[1] for r in results], weights)
 
     def _test_batch(self, batch):
         state = self._state_variables()
-        replicas = self._active_shards(batch)
+        replicas, total = self._active_shards(batch)
         results = [
             self._run_replica(replica_id, self._model.test_step, shard, state, training=False)
             for replica_id, shard, _ in replicas
         ]
         self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
-        weights = self._weights(replicas)
-        state_sync.reconcile(state, [r[0] for r in results], weights)
+        weights = self._weights(replicas, total)
+        self._reconcile(state, [r[0] for r in results], weights)
         return self._merge_logs([r[1] for r in results], weights)
 
     def _predict_batch(self, batch):
         state = self._state_variables()
-        replicas = self._active_shards(batch)
+        replicas, _ = self._active_shards(batch)
         outputs = [
             self._run_replica(replica_id, self._model.predict_step, shard, state, training=False)[1]
             for replica_id, shard, _ in replicas
         ]
         if len(outputs) == 1:
-            return outputs[0]
-        device = self._devices[0].torch_device
-        return keras.tree.map_structure(
-            lambda *parts: torch.cat(copy_to_device(parts, device)), *outputs
-        )
+            local = outputs[0]
+        else:
+            device = self._devices[0].torch_device
+            local = keras.tree.map_structure(
+                lambda *parts: torch.cat(copy_to_device(parts, device)), *outputs
+            )
+        if self._processes is None:
+            return local
+        if all(n == 0 for _, _, n in replicas):
+            local = keras.tree.map_structure(lambda leaf: leaf[:0], local)
+        return self._processes.gather_outputs(local, batch)
 
     # ----- helpers ---------------------------------------------------------
     def forget_layout(self):
-        """Re-reads the model's variables at the next step (layers may have changed between calls)."""
+        """Re-reads the model's variables at the next step (layers may have changed between calls).
+
+        Also marks the start of a fit/evaluate/predict call: in a multi-worker
+        job the next step first copies rank 0's variables to every rank.
+        """
         self._state = None
+        self._needs_broadcast = True
 
     def _state_variables(self):
         if self._state is None or not self._state.complete:
             self._state = state_sync.StateVariables(self._model, self._summed_loss)
+        if self._needs_broadcast and self._processes is not None and self._model.built:
+            self._processes.broadcast_variables(self._model)
+            self._needs_broadcast = False
         return self._state
 
     def _active_shards(self, batch):
-        shards = split_batch(batch, self._num_replicas)
-        return [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]
+        """This process's non-empty shards `(local replica id, shard, size)` and the global batch size.
 
-    def _weights(self, replicas):
-        total = sum(n for _, _, n in replicas)
+        In a multi-worker job a process whose replicas all get no sample runs
+        replica 0 on the batch's first sample with size 0, so that it still
+        takes part in every collective; its results carry no weight.
+        """
+        if self._processes is not None:
+            return self._processes.local_shards(batch, self._num_replicas)
+        shards = split_batch(batch, self._num_replicas)
+        active = [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]
+        return active, sum(n for _, _, n in active)
+
+    def _weights(self, replicas, total):
         return [n / total for _, _, n in replicas]
+
+    def _reconcile(self, state, scopes, weights):
+        if self._processes is None:
+            state_sync.reconcile(state, scopes, weights)
+        else:
+            state_sync.reconcile(
+                state,
+                scopes,
+                weights,
+                reduce_sum=self._processes.reduce_state,
+                holds_first_replica=self._processes.holds_first_replica,
+            )
 
     def _state_mapping(self, replica_id, state, training):
         """What each replica reads instead of the canonical variables."""
@@ -264,20 +313,25 @@ class ReplicaEngine:
                     "number of times on every replica."
                 )
         if _TESTING_FAULTS.unweighted_gradient_mean:
-            weights = [1.0 / len(weights)] * len(weights)
+            num_global = self._strategy.num_replicas_in_sync
+            weights = [1.0 / num_global if w > 0 else 0.0 for w in weights]
         if self._summed_loss:
-            weights = [1.0] * len(weights)
+            weights = [1.0 if w > 0 else 0.0 for w in weights]
         device = self._devices[0].torch_device
         for call_index in range(num_calls):
             optimizer, _, variables = calls_per_replica[0][call_index]
             gradient_lists = [calls[call_index][1] for calls in calls_per_replica]
             if _TESTING_FAULTS.drop_replica_gradients:
                 gradient_lists = gradient_lists[:1] + [[None] * len(g) for g in gradient_lists[1:]]
+            if _TESTING_FAULTS.ddp_averaged_gradients and self._processes is not None:
+                gradient_lists = [self._processes.ddp_average(grads) for grads in gradient_lists]
             self._check_gradients(replicas, variables, gradient_lists)
             present = [i for i, grad in enumerate(gradient_lists[0]) if grad is not None]
             combined = weighted_sum(
                 [[grads[i] for i in present] for grads in gradient_lists], weights, device
             )
+            if self._processes is not None:
+                combined = self._processes.reduce_gradients(combined)
             full = [None] * len(variables)
             for position, grad in zip(present, combined):
                 full[position] = grad
@@ -298,7 +352,7 @@ class ReplicaEngine:
 
     def _merge_logs(self, replica_logs, weights):
         first = replica_logs[0]
-        if len(replica_logs) == 1 or not isinstance(first, dict):
+        if not isinstance(first, dict) or (len(replica_logs) == 1 and self._processes is None):
             return first
         canonical = self._model.get_metrics_result()
         merged = {}
@@ -307,6 +361,8 @@ class ReplicaEngine:
                 merged[key] = canonical[key]
             else:
                 merged[key] = _weighted_log_mean([logs[key] for logs in replica_logs], weights)
+        if self._processes is not None:
+            merged = self._processes.merge_extra_logs(merged, canonical)
         return merged
 
 

@@ -72,23 +72,80 @@ def seed_offset(state_value, replica_id):
     return state_value + offset
 
 
-def reconcile(state, scopes, weights):
+def reconcile(state, scopes, weights, reduce_sum=None, holds_first_replica=True):
     """Assigns the combined post-step value of every state variable.
 
     Args:
         state: a `StateVariables`.
         scopes: the `StatelessScope` of each replica that ran, in replica order.
-        weights: each replica's share of the global batch (sums to 1).
+        weights: each replica's share of the global batch. A replica with
+            weight 0 ran on a stand-in sample only to take part in the
+            collectives; its updates are ignored.
+        reduce_sum: for multi-process training, a function summing a list of
+            float64 tensors over every process (`None` in one process).
+        holds_first_replica: whether this process runs replica 0 of the job,
+            whose seed-generator state every process adopts.
     """
+    plan = []
     for variable in state.metric_variables:
         if variable is state.summed_loss_total:
-            _assign(variable, scopes, weights, _SCALED_SUM)
+            plan.append((variable, _SCALED_SUM))
         else:
-            _assign(variable, scopes, weights, _metric_rule(variable.aggregation))
-    for variable in state.model_state:
-        _assign(variable, scopes, weights, _model_state_rule(variable.aggregation))
-    for variable in state.seed_states:
-        _assign(variable, scopes, weights, _FIRST)
+            plan.append((variable, _metric_rule(variable.aggregation)))
+    plan.extend((variable, _model_state_rule(variable.aggregation)) for variable in state.model_state)
+    plan.extend((variable, _FIRST) for variable in state.seed_states)
+
+    contributions = []
+    for variable, rule in plan:
+        values = [scope.get_current_value(variable) for scope in scopes]
+        before = _compat.torch_tensor_of(variable)
+        values = [None if value is None else value.to(before.device) for value in values]
+        contributions.append(_contribution(before, values, weights, rule, holds_first_replica))
+    if reduce_sum is not None:
+        present = [i for i, c in enumerate(contributions) if c is not None]
+        # Every process must send the same list: a variable no local replica
+        # touched still takes part, with a contribution of "no change".
+        if len(present) != len(contributions):
+            for i, (variable, rule) in enumerate(plan):
+                if contributions[i] is None:
+                    contributions[i] = _unchanged(_compat.torch_tensor_of(variable), rule, weights, holds_first_replica)
+        contributions = reduce_sum(contributions)
+    for (variable, rule), combined in zip(plan, contributions):
+        if combined is None:
+            continue
+        before = _compat.torch_tensor_of(variable)
+        if rule in (_SUM, _SCALED_SUM):
+            combined = before.double() + combined.to(before.device)
+        variable.assign(combined.to(device=before.device, dtype=before.dtype))
+
+
+def _contribution(before, values, weights, rule, holds_first_replica):
+    """This process's float64 share of a variable's new value (None: no replica changed it).
+
+    `_SUM` and `_SCALED_SUM` contribute deltas (the caller adds the old value);
+    `_MEAN` and `_FIRST` contribute parts of the new value itself.
+    """
+    if all(value is None for value in values):
+        return None
+    base = before.double()
+    values = [base if value is None else value.double() for value in values]
+    if rule == _FIRST:
+        return values[0] if holds_first_replica else torch.zeros_like(base)
+    if rule == _SUM:
+        return sum((value - base for value, w in zip(values, weights) if w > 0), torch.zeros_like(base))
+    if rule == _SCALED_SUM:
+        return sum(((value - base) / w for value, w in zip(values, weights) if w > 0), torch.zeros_like(base))
+    return sum(value * w for value, w in zip(values, weights))
+
+
+def _unchanged(before, rule, weights, holds_first_replica):
+    """The contribution of a process whose replicas left the variable as it was."""
+    base = before.double()
+    if rule in (_SUM, _SCALED_SUM):
+        return torch.zeros_like(base)
+    if rule == _FIRST:
+        return base if holds_first_replica else torch.zeros_like(base)
+    return base * sum(weights)
 
 
 def _metric_rule(aggregation):
@@ -97,22 +154,3 @@ def _metric_rule(aggregation):
 
 def _model_state_rule(aggregation):
     return {_SUM: _SUM, _FIRST: _FIRST}.get(aggregation, _MEAN)
-
-
-def _assign(variable, scopes, weights, rule):
-    values = [scope.get_current_value(variable) for scope in scopes]
-    if all(value is None for value in values):
-        return
-    before = _compat.torch_tensor_of(variable)
-    values = [before if value is None else value.to(before.device) for value in values]
-    if rule == _FIRST:
-        combined = values[0]
-    elif rule == _SUM:
-        base = before.double()
-        combined = base + sum(value.double() - base for value in values)
-    elif rule == _SCALED_SUM:
-        base = before.double()
-        combined = base + sum((value.double() - base) / weight for value, weight in zip(values, weights))
-    else:
-        combined = sum(value.double() * weight for value, weight in zip(values, weights))
-    variable.assign(combined.to(before.dtype))

@@ -1,0 +1,192 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism over processes and hosts.
+
+One process per device (or per host, driving several local devices with the
+one-process engine). The processes form a `torch.distributed` group (gloo on
+CPU, NCCL on GPUs) found through a cluster resolver: the `torchrun`
+environment, `TF_CONFIG`, or one given explicitly. Every process runs the same
+program; `model.fit` in every process trains one model on the global batch.
+See `docs/multi_worker.md`.
+"""
+
+import torch
+
+from kdist.cluster import resolve_cluster
+from kdist.collectives.process import CommunicationOptions, ProcessCollectives
+from kdist.distribute.devices import resolve_devices
+from kdist.distribute.mirrored import MirroredExtended
+from kdist.distribute.strategy import HOST_DEVICE, Strategy, to_tensor
+from kdist.distribute.values import DistributedValues, Mirrored
+from kdist.errors import InvalidArgumentError
+from kdist.types import ReduceOp
+
+
+class MultiWorkerExtended(MirroredExtended):
+    """`StrategyExtended` of `MultiWorkerMirroredStrategy`.
+
+    Attributes:
+        cluster_resolver: the resolver the job's layout came from.
+        collectives: the `kdist.collectives.process.ProcessCollectives` of the job.
+    """
+
+    def __init__(self, container_strategy, cluster_resolver, communication_options, devices):
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        elif not isinstance(communication_options, CommunicationOptions):
+            raise InvalidArgumentError(
+                "Expected a kdist.CommunicationOptions. Received: communication_options="
+                f"{communication_options!r}."
+            )
+        resolver = resolve_cluster(cluster_resolver)
+        rendezvous = resolver.rendezvous()
+        super().__init__(container_strategy, _local_devices(devices, rendezvous), None)
+        self.cluster_resolver = resolver
+        first_device = self.replica_devices[0].torch_device
+        communication_device = first_device if first_device.type == "cuda" else torch.device("cpu")
+        self.collectives = ProcessCollectives(rendezvous, communication_options, communication_device)
+
+    @property
+    def num_replicas_in_sync(self):
+        return self.collectives.world_size * len(self.replica_devices)
+
+    @property
+    def first_replica_id(self):
+        return self.collectives.rank * len(self.replica_devices)
+
+    @property
+    def num_input_pipelines(self):
+        return self.collectives.world_size
+
+    @property
+    def input_pipeline_id(self):
+        return self.collectives.rank
+
+    # ----- roles (TensorFlow's names) ----------------------------------------
+    @property
+    def is_chief(self):
+        """True on rank 0: the `chief` task, or worker 0 when there is no chief."""
+        return self.collectives.rank == 0
+
+    @property
+    def should_checkpoint(self):
+        """Whether this process writes checkpoints (the chief only; saving is still collective)."""
+        return self.is_chief
+
+    @property
+    def should_save_summary(self):
+        """Whether this process writes logs and summaries (the chief only)."""
+        return self.is_chief
+
+    should_init = True
+    experimental_should_init = True
+    experimental_between_graph = True
+
+    # ----- reductions across processes ------------------------------------------
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduces `value` over every replica of every process; see `StrategyExtended.reduce_to`."""
+        del options
+        reduce_op = ReduceOp.from_value(reduce_op)
+        devices = self._destination_devices(destinations)
+        components = self._components(reduce_op, value)
+        if not isinstance(value, DistributedValues):
+            # A plain value is the same everywhere: its mean is itself.
+            reduced = components[0]
+        else:
+            local = self._cross_device_ops().reduce(ReduceOp.SUM, components, [HOST_DEVICE])[0]
+            (total,) = self.collectives.all_reduce_sum([local], name="reduce")
+            reduced = total.to(HOST_DEVICE)
+            if reduce_op is ReduceOp.MEAN:
+                from kdist.collectives.local import divide
+
+                reduced = divide(reduced, self.num_replicas_in_sync)
+        copies = self._cross_device_ops().broadcast(reduced, devices)
+        return copies[0] if len(copies) == 1 else Mirrored(copies)
+
+    def gather_to(self, value, axis, destination):
+        """Concatenates the components of every process along `axis`, in replica order."""
+        local = super().gather_to(value, axis, HOST_DEVICE)
+        moved = local.movedim(axis, 0)
+        rows = torch.zeros(self.collectives.world_size, dtype=torch.float64)
+        rows[self.collectives.rank] = moved.shape[0]
+        (rows,) = self.collectives.all_reduce_sum([rows], name="gather_sizes")
+        gathered = self.collectives.all_gather_rows(moved, [int(r) for r in rows.tolist()], name="gather")
+        device = destination.torch_device if hasattr(destination, "torch_device") else torch.device(destination)
+        return gathered.movedim(0, axis).to(device)
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training in several processes, on one host or many.
+
+    Every process runs the same script. `model.fit` splits each global batch
+    over the replicas of all processes, combines gradients with one bucketed
+    all-reduce per step, and keeps every process's model bitwise identical.
+    Checkpoints, CSV logs and progress bars come from the chief (rank 0) only.
+
+    Args:
+        cluster_resolver: where the job's layout comes from. `None` reads the
+            `torchrun` environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) when it
+            is set, else `TF_CONFIG` (chief first, then workers); with neither,
+            a one-process job.
+        communication_options: a `kdist.CommunicationOptions` (timeout of
+            every collective, bucket size, backend).
+        devices: this process's devices. `None` means `cuda:LOCAL_RANK` when
+            several processes share a host with GPUs, every visible GPU when the
+            process is alone on its host, else the CPU. A list such as
+            `["cpu:0", "cpu:1"]` gives each process several replicas.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: the cluster or an argument is malformed.
+        kdist.errors.CollectiveTimeoutError: the other processes did not join
+            within the timeout.
+
+    Example:
+
+    ```python
+    # kdist launch --nproc 2 train.py   (or torchrun, or TF_CONFIG per process)
+    strategy = kdist.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=256, epochs=3)
+    ```
+    """
+
+    def __init__(self, cluster_resolver=None, communication_options=None, devices=None):
+        super().__init__(MultiWorkerExtended(self, cluster_resolver, communication_options, devices))
+
+    @property
+    def cluster_resolver(self):
+        """The `kdist.cluster.ClusterResolver` describing the job."""
+        return self._extended.cluster_resolver
+
+    def _reduce_leaf(self, reduce_op, value, axis):
+        if axis is None:
+            return self._extended.reduce_to(reduce_op, value, HOST_DEVICE)
+        components = self._extended._components(ReduceOp.MEAN, value)
+        if not isinstance(value, DistributedValues):
+            components = components * len(self._extended.replica_devices)
+        local_total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
+        local_count = sum(to_tensor(c).shape[axis] for c in components)
+        total, count = self._extended.collectives.all_reduce_sum(
+            [local_total, torch.tensor(float(local_count), dtype=torch.float64)], name="reduce"
+        )
+        if reduce_op is ReduceOp.SUM:
+            return total.to(local_total.dtype)
+        return total / count.item()
+
+    def __repr__(self):
+        collectives = self._extended.collectives
+        return (
+            f"MultiWorkerMirroredStrategy(rank={collectives.rank}, world_size="
+            f"{collectives.world_size}, devices={list(self._extended.worker_devices)})"
+        )
+
+
+def _local_devices(devices, rendezvous):
+    if devices is not None:
+        return resolve_devices(devices)
+    num_gpus = torch.cuda.device_count()
+    if num_gpus == 0:
+        return resolve_devices(["cpu"])
+    if rendezvous.local_world_size > 1:
+        return resolve_devices([f"cuda:{rendezvous.local_rank % num_gpus}"])
+    return resolve_devices(None)
