@@ -1,0 +1,300 @@
+"""The `kdist` command line: `kdist launch` (also `python -m kdist launch`).
+
+Imports neither Keras nor torch: it only starts the user's script as child
+processes, which do.
+"""
+
+import argparse
+import signal
+import sys
+import threading
+
+from kdist.errors import InvalidArgumentError
+from kdist.launch import plans
+from kdist.launch.cluster_file import parse_task
+from kdist.launch.processes import ProcessSet, ProcessSetTimeout
+from kdist.launch.spec import describe_returncode
+
+DEFAULT_GRACE_SECONDS = 30.0
+# After SIGABRT (stack dump) or a daemon's SIGTERM, how long before SIGKILL.
+# faulthandler prints at once; servers get time for a clean shutdown.
+KILL_AFTER_SECONDS = 10.0
+# Lines of output kept in memory per process (they are echoed as they come).
+KEEP_LINES = 1000
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124  # As coreutils' `timeout`.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+LAUNCH_EPILOG = """\
+examples:
+  # 4 processes on this host with torchrun's variables (RANK, WORLD_SIZE, ...):
+  kdist launch --nproc 4 train.py --epochs 3
+  kdist launch --nproc 2 -m mypackage.train
+
+  # the tasks of a multi-host TF_CONFIG cluster that run on this host:
+  kdist launch --cluster cluster.json --task worker:1 --task ps:0 train.py
+  #   cluster.json: {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.2:2223"]}
+  #   (or a whole TF_CONFIG object; its "cluster" key is used)
+
+  # a whole parameter-server cluster on this host, every task on a free port:
+  kdist launch --workers 2 --ps 2 --chief train.py
+  # a TF_CONFIG cluster for MultiWorkerMirroredStrategy on this host:
+  kdist launch --workers 2 --chief train.py
+
+environment of each process:
+  --nproc:    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0,
+              GROUP_WORLD_SIZE=1, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
+              MASTER_ADDR, MASTER_PORT; TF_CONFIG is removed.
+  TF_CONFIG modes: TF_CONFIG={"cluster": ..., "task": {"type": T, "index": I}};
+              the torchrun variables are removed.
+  always:     KDIST_LAUNCHER=1, PYTHONUNBUFFERED=1, PYTHONFAULTHANDLER=1, and
+              OMP_NUM_THREADS = cores / processes unless OMP_NUM_THREADS is set.
+
+output and exit:
+  Each line a process writes is printed with its name: "[worker-1] loss: 0.3".
+  When a process fails, the others get --grace seconds to finish; then the stacks
+  of the survivors are printed (SIGABRT, faulthandler) and they are killed. The
+  exit code is the first failing process's (128 + N if signal N killed it), 0 if
+  none failed, 124 on --timeout. Ctrl-C or SIGTERM sends SIGTERM to every
+  process, SIGKILL after --grace seconds, and exits 130 (SIGINT) or 143 (SIGTERM);
+  a second Ctrl-C kills at once. Processes die with the launcher (Linux).
+  Daemon jobs (default: ps with --workers, none with --cluster) serve until
+  stopped: they get SIGTERM once every other process ended, and their exit codes
+  then do not count.
+"""
+
+
+def build_parser():
+    """Returns the `kdist` argument parser (subcommand `launch`)."""
+    parser = argparse.ArgumentParser(
+        prog="kdist", description="kdist: tf.distribute-style distributed training for Keras 3."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launch = commands.add_parser(
+        "launch",
+        help="start the processes of a distributed job on this host",
+        description="Start the processes of a distributed job on this host, each with the\n"
+        "environment that tells it its role, and run them as one job.",
+        epilog=LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_launch_arguments(launch)
+    launch.set_defaults(run=run_launch, parser=launch)
+    return parser
+
+
+def _add_launch_arguments(parser):
+    mode = parser.add_argument_group("launch mode (choose one)")
+    mode.add_argument(
+        "--nproc", type=_count(1), metavar="N", help="start N processes with torchrun's variables"
+    )
+    mode.add_argument(
+        "--cluster", metavar="FILE", help="JSON file with a TF_CONFIG cluster, or a whole TF_CONFIG"
+    )
+    mode.add_argument(
+        "--workers",
+        type=_count(0),
+        metavar="N",
+        help="start a whole local TF_CONFIG cluster with N workers",
+    )
+
+    torchrun = parser.add_argument_group("with --nproc")
+    torchrun.add_argument(
+        "--master-addr", metavar="HOST", help="rendezvous address (default: 127.0.0.1)"
+    )
+    torchrun.add_argument(
+        "--master-port", type=_port, metavar="PORT", help="rendezvous port (default: a free port)"
+    )
+
+    tf_config = parser.add_argument_group("with --cluster")
+    tf_config.add_argument(
+        "--task",
+        type=_task,
+        action="append",
+        default=[],
+        metavar="TYPE:INDEX",
+        help="a task of the cluster to run on this host, e.g. worker:1; repeat for several",
+    )
+
+    local = parser.add_argument_group("with --workers")
+    local.add_argument("--ps", type=_count(0), metavar="K", help="K parameter servers (default: 0)")
+    local.add_argument("--chief", action="store_true", help="add a chief (the coordinator) task")
+    local.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+    local.add_argument(
+        "--daemon-jobs",
+        metavar="JOBS",
+        help="comma-separated jobs that serve until stopped (default: ps with --workers, none with "
+        "--cluster); e.g. ps,worker when workers only serve a coordinator",
+    )
+
+    job = parser.add_argument_group("the job")
+    job.add_argument(
+        "--grace",
+        type=_seconds,
+        default=DEFAULT_GRACE_SECONDS,
+        metavar="SECONDS",
+        help="after a failure (or Ctrl-C), how long the others get before their stacks are dumped "
+        f"and they are killed (default: {DEFAULT_GRACE_SECONDS:g})",
+    )
+    job.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="limit for the whole job (default: none)",
+    )
+    job.add_argument(
+        "--log-dir", metavar="DIR", help="also write each process's output to DIR/<name>.log"
+    )
+    job.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="script is a module name, run as python -m script",
+    )
+    job.add_argument("script", help="the Python script (or module, with -m) every process runs")
+    job.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def main(argv=None):
+    """Runs the `kdist` command with `argv` (default `sys.argv[1:]`); returns the exit code.
+
+    Example:
+        >>> main(["launch", "--nproc", "2", "train.py"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        try:
+            specs = plans.build_specs(args)
+        except InvalidArgumentError as error:
+            args.parser.error(str(error))
+    except SystemExit as exit_request:
+        code = exit_request.code
+        return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
+    return args.run(args, specs)
+
+
+def run_launch(args, specs):
+    """Starts `specs` as one job and waits for it; returns the launcher's exit code."""
+    processes = ProcessSet(
+        specs,
+        grace_seconds=args.grace,
+        kill_after_seconds=KILL_AFTER_SECONDS,
+        keep_lines=KEEP_LINES,
+        log_dir=args.log_dir,
+    )
+    with _StopOnSignal(processes, args.grace) as stopper:
+        try:
+            try:
+                processes.start()
+            except OSError as error:
+                _say(f"could not start the processes: {error}")
+                return 1
+            pids = processes.pids
+            _say("started " + ", ".join(f"{name} (pid {pids[name]})" for name in processes.names))
+            processes.wait(args.timeout)
+        except ProcessSetTimeout as error:
+            _say(str(error))
+            return EXIT_TIMEOUT
+        finally:
+            # Whatever happened above (an unexpected exception included), no
+            # process outlives the launcher.
+            if processes.poll() is None:
+                processes.stop_all("the launcher is exiting", timeout=args.grace)
+    if stopper.received is not None:
+        return 128 + stopper.received
+    failure = processes.first_failure()
+    if failure is not None:
+        name, returncode = failure
+        code = processes.exit_code()
+        _say(f"{name} failed first: it {describe_returncode(returncode)}; exit code {code}")
+    return processes.exit_code()
+
+
+class _StopOnSignal:
+    """While active, SIGINT/SIGTERM stop the job (SIGTERM, then SIGKILL after `grace`).
+
+    A second signal kills every process at once. Handlers are installed only in
+    the main thread (Python allows no other); the previous ones are restored.
+    """
+
+    def __init__(self, processes, grace):
+        self._processes = processes
+        self._grace = grace
+        self._previous = {}
+        self.received = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            self._processes.request_stop(
+                f"the launcher received {signal.Signals(signum).name}; SIGTERM to every process, "
+                f"SIGKILL after {self._grace:g}s",
+                timeout=self._grace,
+            )
+        else:
+            self._processes.kill_all()
+
+
+def _say(message):
+    print(f"[kdist] {message}", file=sys.stderr, flush=True)
+
+
+def _count(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number. Received: {text!r}."
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}. Received: {value}.")
+        return value
+
+    return parse
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds. Received: {text!r}."
+        ) from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds. Received: {text}.")
+    return value
+
+
+def _positive_seconds(text):
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds. Received: 0.")
+    return value
+
+
+def _port(text):
+    value = _count(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1..65535. Received: {value}.")
+    return value
+
+
+def _task(text):
+    try:
+        return parse_task(text)
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

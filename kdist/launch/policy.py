@@ -1,0 +1,131 @@
+"""`StopPolicy`: when a `ProcessSet` sends which signal to which child.
+
+Rules, in order of precedence:
+
+1. A stop request (`request_stop`, e.g. the launcher got Ctrl-C): SIGTERM to
+   everyone, SIGKILL to whoever is left after the request's timeout. These
+   exits are not failures.
+2. The first failure (a non-zero exit the set did not cause): the other
+   non-daemon processes get `grace_seconds` to exit on their own, then SIGABRT
+   (children run with PYTHONFAULTHANDLER=1, so Python prints every thread's
+   stack), then SIGKILL after `kill_after_seconds`.
+3. Daemons (servers): once every non-daemon process ended, SIGTERM, then SIGKILL
+   after `kill_after_seconds`. These exits are not failures. A set with no
+   non-daemon process runs until its daemons end.
+"""
+
+import signal
+
+
+class StopPolicy:
+    """The timers and decisions of the rules above, for one `ProcessSet`.
+
+    Not thread-safe: its `ProcessSet` calls it with the set's condition held.
+
+    Args:
+        grace_seconds: how long the others may run on after the first failure.
+        kill_after_seconds: time between SIGABRT/SIGTERM and SIGKILL.
+        announce: callable taking one message for the user.
+    """
+
+    def __init__(self, grace_seconds, kill_after_seconds, announce):
+        self.grace_seconds = grace_seconds
+        self.kill_after_seconds = kill_after_seconds
+        self._announce = announce
+        self._stop_request = None  # (reason, timeout)
+        self._stop_sent_at = None
+        self._failure_announced = False
+        self._abort_sent_at = None
+        self._daemon_stop_at = None
+
+    def request_stop(self, reason, timeout):
+        """Records a stop request (the first one wins); `apply` carries it out."""
+        if self._stop_request is None:
+            self._stop_request = (reason, timeout)
+
+    @property
+    def stop_deadline(self):
+        """When a carried-out stop request turns into SIGKILL, or None."""
+        if self._stop_sent_at is None:
+            return None
+        return self._stop_sent_at + self._stop_request[1]
+
+    def apply(self, children, now):
+        """Sends the signals that are due at `now` (a `time.monotonic()` value).
+
+        Args:
+            children: every `child.Child` of the set.
+
+        Returns:
+            When the next signal will be due, or None if nothing is pending.
+        """
+        if self._stop_request is not None:
+            return self._apply_stop(children, now)
+        survivors = [c for c in children if c.running and not c.spec.daemon]
+        wake_times = [self._apply_fail_fast(children, survivors, now)]
+        wake_times.append(self._apply_daemon_stop(children, survivors, now))
+        return min((t for t in wake_times if t is not None), default=None)
+
+    def _apply_stop(self, children, now):
+        if self._stop_sent_at is None:
+            self._announce(f"stopping every process: {self._stop_request[0]}")
+            self._stop_sent_at = now
+            signal_all(children, signal.SIGTERM, stopped=True)
+        return _kill_when_due(children, self.stop_deadline, now)
+
+    def _apply_fail_fast(self, children, survivors, now):
+        failed = [c for c in children if c.failed]
+        if failed and survivors and self._abort_sent_at is None:
+            first = min(failed, key=lambda c: c.exit_order)
+            due = first.ended_at + self.grace_seconds
+            if not self._failure_announced:
+                self._failure_announced = True
+                self._announce(
+                    f"{first.spec.name} failed first; the others get {self.grace_seconds:g}s to "
+                    "exit, then their stacks are dumped (SIGABRT) and they are killed"
+                )
+            if now < due:
+                return due
+            names = ", ".join(c.spec.name for c in survivors)
+            self._announce(f"grace period over; dumping stacks of {names} and stopping them")
+            signal_all(survivors, signal.SIGABRT, aborted=True)
+            self._abort_sent_at = now
+        if self._abort_sent_at is None:
+            return None
+        return _kill_when_due(survivors, self._abort_sent_at + self.kill_after_seconds, now)
+
+    def _apply_daemon_stop(self, children, survivors, now):
+        daemons = [c for c in children if c.running and c.spec.daemon]
+        has_non_daemons = any(not c.spec.daemon for c in children)
+        if has_non_daemons and daemons and not survivors and self._daemon_stop_at is None:
+            self._daemon_stop_at = now
+            names = ", ".join(c.spec.name for c in daemons)
+            self._announce(f"every non-daemon process ended; stopping {names} (SIGTERM)")
+            signal_all(daemons, signal.SIGTERM, stopped=True)
+        if self._daemon_stop_at is None:
+            return None
+        return _kill_when_due(daemons, self._daemon_stop_at + self.kill_after_seconds, now)
+
+
+def signal_all(children, sig, stopped=False, aborted=False):
+    """Sends `sig` to the process group of each running child and records why.
+
+    Args:
+        stopped: the set asked them to stop: their exits are not failures.
+        aborted: they were sent SIGABRT for a stack dump.
+    """
+    for current in children:
+        if current.running:
+            current.stopped = current.stopped or stopped
+            current.aborted = current.aborted or aborted
+            current.signal_group(sig)
+
+
+def _kill_when_due(children, due, now):
+    """SIGKILLs the running `children` once `due` passed; returns `due` while pending."""
+    if not any(c.running for c in children):
+        return None
+    if now < due:
+        return due
+    signal_all(children, signal.SIGKILL)
+    return None
