@@ -14,6 +14,7 @@ fails — a peer died, stalled, or the deadline passed — the survivors raise
 `kdist.collectives.heartbeat`).
 """
 
+import atexit
 import dataclasses
 import math
 from datetime import timedelta
@@ -98,14 +99,20 @@ class ProcessCollectives:
         self.device = torch.device(device)
         self._store_host_rank = None if rendezvous.store_is_external else 0
         self._heartbeat = None
+        self._owns_group = False
         if dist.is_initialized():
             _check_existing_group(rendezvous)
         else:
             self._init_group(rendezvous)
+            self._owns_group = True
         if self.world_size > 1:
             self._heartbeat = Heartbeat(
                 rendezvous.master_addr, rendezvous.master_port, self.rank, self.world_size
             )
+        # Before interpreter teardown: a heartbeat thread still inside a store
+        # call, or a process group destroyed by garbage collection in arbitrary
+        # order, aborts the process ("terminate called without an active exception").
+        atexit.register(self.shutdown)
 
     def _init_group(self, rendezvous):
         timeout = timedelta(seconds=self.options.timeout_seconds)
@@ -216,10 +223,13 @@ class ProcessCollectives:
         self._run(name, lambda: dist.all_reduce(token))
 
     def shutdown(self):
-        """Stops the heartbeat. The process group stays (torch allows one per process)."""
+        """Stops the heartbeat and, if kdist created it, the process group. Idempotent."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
 
     # ----- internals -------------------------------------------------------
     def _buckets(self, tensors):

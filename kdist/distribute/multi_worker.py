@@ -87,17 +87,17 @@ class MultiWorkerExtended(MirroredExtended):
         reduce_op = ReduceOp.from_value(reduce_op)
         devices = self._destination_devices(destinations)
         components = self._components(reduce_op, value)
+        local = self._cross_device_ops().reduce(ReduceOp.SUM, components, [HOST_DEVICE])[0]
         if not isinstance(value, DistributedValues):
-            # A plain value is the same everywhere: its mean is itself.
-            reduced = components[0]
-        else:
-            local = self._cross_device_ops().reduce(ReduceOp.SUM, components, [HOST_DEVICE])[0]
-            (total,) = self.collectives.all_reduce_sum([local], name="reduce")
-            reduced = total.to(HOST_DEVICE)
-            if reduce_op is ReduceOp.MEAN:
-                from kdist.collectives.local import divide
+            # As in TensorFlow, a plain value is this process's value for each of
+            # its replicas (with one replica per process, what `run` returns).
+            local = local * len(self.replica_devices)
+        (total,) = self.collectives.all_reduce_sum([local], name="reduce")
+        reduced = total.to(HOST_DEVICE)
+        if reduce_op is ReduceOp.MEAN:
+            from kdist.collectives.local import divide
 
-                reduced = divide(reduced, self.num_replicas_in_sync)
+            reduced = divide(reduced, self.num_replicas_in_sync)
         copies = self._cross_device_ops().broadcast(reduced, devices)
         return copies[0] if len(copies) == 1 else Mirrored(copies)
 

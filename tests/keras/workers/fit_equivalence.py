@@ -67,12 +67,13 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED):
 
 def collect(model, history, evaluation, predictions):
     results = {}
+    # Keyed by position: variable paths carry per-process name counters (adam_3, dense_7).
     for i, v in enumerate(model.weights):
         results[f"weight/{i}"] = np.asarray(keras.ops.convert_to_numpy(v))
     for i, v in enumerate(model.optimizer.variables):
-        results[f"optimizer/{i}:{v.path}"] = np.asarray(keras.ops.convert_to_numpy(v))
+        results[f"optimizer/{i}"] = np.asarray(keras.ops.convert_to_numpy(v))
     for i, v in enumerate(model.metrics_variables):
-        results[f"metric/{i}:{v.path}"] = np.asarray(keras.ops.convert_to_numpy(v))
+        results[f"metric/{i}"] = np.asarray(keras.ops.convert_to_numpy(v))
     for key, values in (history.history if history is not None else {}).items():
         results[f"history/{key}"] = np.asarray(values, dtype="float64")
     for key, value in evaluation.items():
