@@ -103,14 +103,19 @@ class DistributedDataset:
     `Strategy.experimental_distribute_dataset`.
     """
 
-    def __init__(self, dataset, devices):
+    def __init__(self, dataset, devices, first_replica=0, num_replicas_in_sync=None):
         _check_iterable(dataset, "dataset")
         self._dataset = dataset
         self._devices = devices
+        # In a multi-worker job every process reads the same global batches and
+        # keeps the shards of its own replicas.
+        self._first_replica = first_replica
+        self._num_replicas_in_sync = num_replicas_in_sync or len(devices)
 
     def __iter__(self):
+        first, count = self._first_replica, len(self._devices)
         for batch in self._dataset:
-            shards = split_batch(batch, len(self._devices))
+            shards = split_batch(batch, self._num_replicas_in_sync)[first : first + count]
             placed = [
                 _place(shard, device.torch_device)
                 for (shard, _), device in zip(shards, self._devices)

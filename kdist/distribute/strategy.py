@@ -464,7 +464,12 @@ class Strategy:
             A `DistributedDataset`; iterate it and pass elements to `run`.
         """
         del options
-        return DistributedDataset(dataset, self._extended.replica_devices)
+        return DistributedDataset(
+            dataset,
+            self._extended.replica_devices,
+            first_replica=self._extended.first_replica_id,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Builds the input with `dataset_fn(InputContext)`; batches are per replica.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests import harness
 from tests.keras.workers import fit_equivalence
@@ -98,6 +99,17 @@ def test_negative_controls_fail_the_comparison(tmp_path, reference, fault, num_p
     diffs = differences(reference, ranks[0])
     broken = {key: diff for key, diff in diffs.items() if key.startswith(broken_keys) and diff > 1e-3}
     assert broken, f"the {fault} bug went unnoticed: {diffs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one per process, NCCL)")
+def test_nccl_processes_match_plain_keras(tmp_path, reference):
+    # Each process drives cuda:LOCAL_RANK, so the group uses NCCL; GPU kernels
+    # sum in a different order than the reference, hence the looser tolerance.
+    ranks = run_job(tmp_path, 2)
+    assert_ranks_identical(ranks)
+    worst = {key: diff for key, diff in differences(reference, ranks[0]).items() if diff > 1e-4}
+    assert not worst, worst
 
 
 def test_malformed_communication_options_are_refused_before_joining():

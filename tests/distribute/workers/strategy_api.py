@@ -47,6 +47,17 @@ def check_strategy(strategy, rank, world):
     assert torch.allclose(mean_rows, expected.mean(dim=0, keepdim=False)), (mean_rows, expected.mean(0))
 
 
+def check_distributed_dataset(strategy, rank, world):
+    # Every rank reads the same global batch of 2 * world + 1 rows and keeps its own slice.
+    batch = torch.arange(2 * world + 1, dtype=torch.float32)
+    (element,) = list(strategy.experimental_distribute_dataset([batch]))
+    sizes = [3 if r == 0 else 2 for r in range(world)]
+    start = sum(sizes[:rank])
+    assert torch.equal(element, batch[start : start + sizes[rank]]), (rank, element)
+    total = strategy.reduce("sum", strategy.run(lambda x: x.sum(), args=(element,)), axis=None)
+    assert total.item() == batch.sum().item(), total
+
+
 def check_collectives(collectives, rank, world):
     # A 1 KiB bucket limit forces many buckets and both dtypes.
     tensors = [
@@ -84,6 +95,7 @@ def main():
     )
     collectives = strategy.extended.collectives
     check_strategy(strategy, collectives.rank, collectives.world_size)
+    check_distributed_dataset(strategy, collectives.rank, collectives.world_size)
     check_collectives(collectives, collectives.rank, collectives.world_size)
     print("CHECKS PASSED", flush=True)
     return 0
