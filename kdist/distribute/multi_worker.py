@@ -14,7 +14,7 @@ from kdist.cluster import resolve_cluster
 from kdist.collectives.process import CommunicationOptions, ProcessCollectives
 from kdist.distribute.devices import resolve_devices
 from kdist.distribute.mirrored import MirroredExtended
-from kdist.distribute.strategy import HOST_DEVICE, Strategy, to_tensor
+from kdist.distribute.strategy import HOST_DEVICE, Strategy
 from kdist.distribute.values import DistributedValues, Mirrored
 from kdist.errors import InvalidArgumentError
 from kdist.types import ReduceOp
@@ -101,6 +101,12 @@ class MultiWorkerExtended(MirroredExtended):
         copies = self._cross_device_ops().broadcast(reduced, devices)
         return copies[0] if len(copies) == 1 else Mirrored(copies)
 
+    def _sum_over_processes(self, total, count):
+        summed, counts = self.collectives.all_reduce_sum(
+            [total, torch.tensor(float(count), dtype=torch.float64)], name="reduce"
+        )
+        return summed.to(total.dtype), int(counts.item())
+
     def gather_to(self, value, axis, destination):
         """Concatenates the components of every process along `axis`, in replica order."""
         local = super().gather_to(value, axis, HOST_DEVICE)
@@ -157,21 +163,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     def cluster_resolver(self):
         """The `kdist.cluster.ClusterResolver` describing the job."""
         return self._extended.cluster_resolver
-
-    def _reduce_leaf(self, reduce_op, value, axis):
-        if axis is None:
-            return self._extended.reduce_to(reduce_op, value, HOST_DEVICE)
-        components = self._extended._components(ReduceOp.MEAN, value)
-        if not isinstance(value, DistributedValues):
-            components = components * len(self._extended.replica_devices)
-        local_total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
-        local_count = sum(to_tensor(c).shape[axis] for c in components)
-        total, count = self._extended.collectives.all_reduce_sum(
-            [local_total, torch.tensor(float(local_count), dtype=torch.float64)], name="reduce"
-        )
-        if reduce_op is ReduceOp.SUM:
-            return total.to(local_total.dtype)
-        return total / count.item()
 
     def __repr__(self):
         collectives = self._extended.collectives

@@ -111,6 +111,10 @@ class StrategyExtended:
         """Replicas in every process together; `replica_devices` are this process's."""
         return len(self.replica_devices)
 
+    def _sum_over_processes(self, total, count):
+        """`(total, count)` summed over every process of the job; one process: unchanged."""
+        return total, count
+
     # One input pipeline per process: `InputContext` fields for this process.
     num_input_pipelines = 1
     input_pipeline_id = 0
@@ -408,9 +412,10 @@ class Strategy:
         if not isinstance(value, DistributedValues):
             components = components * len(self._extended.replica_devices)
         total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
+        count = sum(to_tensor(c).shape[axis] for c in components)
+        total, count = self._extended._sum_over_processes(total, count)
         if reduce_op is ReduceOp.SUM:
             return total
-        count = sum(to_tensor(c).shape[axis] for c in components)
         # True division, as TensorFlow's `truediv`: the mean of integer values
         # (e.g. per-example correct/incorrect flags) must not truncate to 0.
         return total / count
