@@ -5,12 +5,15 @@ see `kdist.keras.multi_worker`), splits it over all replicas of the job
 exactly as one process would split it over its devices, and runs only its own
 replicas' contiguous shards. Then, per step:
 
-- gradients: each rank sums `n_k / N · g_k` over its replicas; one bucketed
-  all-reduce per `optimizer.apply` call adds the ranks' sums, so every rank
-  applies `Σ n_k g_k / N` over the whole job (N is the global batch size,
-  known to every rank, so no count needs sending);
-- state (metric deltas, BatchNorm statistics, seed state, extra logs): one
-  float64 all-reduce of every variable's contribution (`state_sync`);
+- gradients: each rank sums `n_k / N · g_k` over its replicas, written
+  straight into reusable communication buckets; one bucketed all-reduce per
+  `optimizer.apply` call adds the ranks' sums, so every rank applies
+  `Σ n_k g_k / N` over the whole job (N is the global batch size, known to
+  every rank, so no count needs sending);
+- state (metric deltas, BatchNorm statistics, seed state): one float64
+  all-reduce of every variable's contribution (`state_sync`), started right
+  after the gradients' so both travel together; nothing is assigned until
+  both have arrived;
 - predict: each rank's outputs are gathered in rank order, so every rank
   returns the whole batch's predictions.
 
@@ -62,17 +65,28 @@ class ProcessSync:
         return [sum(sizes[r * num_local : (r + 1) * num_local]) for r in range(self.world_size)]
 
     # ----- reductions ------------------------------------------------------------
-    def reduce_gradients(self, gradients):
-        return self._collectives.all_reduce_sum(gradients, name="gradients")
+    def buffers(self, like, key):
+        """Communication buckets shaped like `like`, reused from step to step."""
+        return self._collectives.reduction_buffers(like, key)
+
+    def start(self, buffers, name):
+        """Starts summing `buffers` over ranks; results land in `buffers.views` after `wait`."""
+        return self._collectives.start_all_reduce(buffers, name)
+
+    def start_reduction(self, tensors, key):
+        """Copies `tensors` into reusable buckets and starts summing them; returns `(views, works)`."""
+        buffers = self._collectives.reduction_buffers(tensors, key)
+        buffers.fill(tensors)
+        return buffers.views, self.start(buffers, name=key)
+
+    def wait(self, works):
+        self._collectives.wait(works)
 
     def ddp_average(self, gradients):
         """Test-only (`FaultInjection.ddp_averaged_gradients`): the unweighted mean over ranks."""
         present = [g for g in gradients if g is not None]
         summed = iter(self._collectives.all_reduce_sum(present, name="ddp_fault"))
         return [None if g is None else next(summed) / self.world_size for g in gradients]
-
-    def reduce_state(self, contributions):
-        return self._collectives.all_reduce_sum(contributions, name="state")
 
     def merge_extra_logs(self, logs, canonical):
         """Sums the batch-weighted values of logs that are not compiled metrics over ranks."""

@@ -155,8 +155,13 @@ class ReplicaEngine:
             results.append((scope, logs, recorder))
         self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
         weights = self._weights(replicas, total)
-        self._apply_gradients(replicas, [r[2] for r in results], weights)
-        self._reconcile(state, [r[0] for r in results], weights)
+        updates, pending = self._combine_gradients(replicas, [r[2] for r in results], weights)
+        # In a multi-worker job the gradient and state all-reduces run together;
+        # this waits for both before anything is assigned.
+        self._reconcile(state, [r[0] for r in results], weights, pending)
+        for optimizer, variables, gradients in updates:
+            with torch.no_grad():
+                optimizer._kdist_original_apply(gradients, variables)
         return self._merge_logs([r[1] for r in results], weights)
 
     def _test_batch(self, batch):
@@ -225,17 +230,16 @@ class ReplicaEngine:
     def _weights(self, replicas, total):
         return [n / total for _, _, n in replicas]
 
-    def _reconcile(self, state, scopes, weights):
+    def _reconcile(self, state, scopes, weights, pending=()):
         if self._processes is None:
             state_sync.reconcile(state, scopes, weights)
-        else:
-            state_sync.reconcile(
-                state,
-                scopes,
-                weights,
-                reduce_sum=self._processes.reduce_state,
-                holds_first_replica=self._processes.holds_first_replica,
-            )
+            return
+        plan, contributions = state_sync.plan_contributions(
+            state, scopes, weights, self._processes.holds_first_replica, for_all_reduce=True
+        )
+        combined, works = self._processes.start_reduction(contributions, key="state")
+        self._processes.wait(list(pending) + works)
+        state_sync.assign(plan, combined)
 
     def _state_mapping(self, replica_id, state, training):
         """What each replica reads instead of the canonical variables."""
@@ -301,7 +305,14 @@ class ReplicaEngine:
                 "scale the penalty into the summed loss yourself."
             )
 
-    def _apply_gradients(self, replicas, recorders, weights):
+    def _combine_gradients(self, replicas, recorders, weights):
+        """Combines the replicas' gradients for each `optimizer.apply` call.
+
+        Returns:
+            `(updates, pending)`: `updates` lists `(optimizer, variables,
+            gradients)` to apply; `pending` the all-reduces still running in a
+            multi-worker job (their results land in those gradients).
+        """
         calls_per_replica = [recorder.calls for recorder in recorders]
         num_calls = len(calls_per_replica[0])
         for replica_position, calls in enumerate(calls_per_replica):
@@ -318,6 +329,7 @@ class ReplicaEngine:
         if self._summed_loss:
             weights = [1.0 if w > 0 else 0.0 for w in weights]
         device = self._devices[0].torch_device
+        updates, pending = [], []
         for call_index in range(num_calls):
             optimizer, _, variables = calls_per_replica[0][call_index]
             gradient_lists = [calls[call_index][1] for calls in calls_per_replica]
@@ -327,16 +339,19 @@ class ReplicaEngine:
                 gradient_lists = [self._processes.ddp_average(grads) for grads in gradient_lists]
             self._check_gradients(replicas, variables, gradient_lists)
             present = [i for i, grad in enumerate(gradient_lists[0]) if grad is not None]
-            combined = weighted_sum(
-                [[grads[i] for i in present] for grads in gradient_lists], weights, device
-            )
-            if self._processes is not None:
-                combined = self._processes.reduce_gradients(combined)
+            lists = [[grads[i] for i in present] for grads in gradient_lists]
+            if self._processes is None:
+                combined = weighted_sum(lists, weights, device)
+            else:
+                # Written straight into the communication buckets: no extra copy.
+                buffers = self._processes.buffers(lists[0], key=("gradients", call_index))
+                combined = buffers.fill_weighted(lists, weights)
+                pending.extend(self._processes.start(buffers, name="gradients"))
             full = [None] * len(variables)
             for position, grad in zip(present, combined):
                 full[position] = grad
-            with torch.no_grad():
-                optimizer._kdist_original_apply(full, variables)
+            updates.append((optimizer, variables, full))
+        return updates, pending
 
     def _check_gradients(self, replicas, variables, gradient_lists):
         for position, grads in enumerate(gradient_lists[1:], start=1):

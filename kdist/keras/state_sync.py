@@ -72,19 +72,34 @@ def seed_offset(state_value, replica_id):
     return state_value + offset
 
 
-def reconcile(state, scopes, weights, reduce_sum=None, holds_first_replica=True):
-    """Assigns the combined post-step value of every state variable.
+def reconcile(state, scopes, weights):
+    """Assigns the combined post-step value of every state variable (one process).
 
     Args:
         state: a `StateVariables`.
         scopes: the `StatelessScope` of each replica that ran, in replica order.
-        weights: each replica's share of the global batch. A replica with
-            weight 0 ran on a stand-in sample only to take part in the
-            collectives; its updates are ignored.
-        reduce_sum: for multi-process training, a function summing a list of
-            float64 tensors over every process (`None` in one process).
+        weights: each replica's share of the global batch (sums to 1).
+    """
+    plan, contributions = plan_contributions(state, scopes, weights)
+    assign(plan, contributions)
+
+
+def plan_contributions(state, scopes, weights, holds_first_replica=True, for_all_reduce=False):
+    """Each state variable's rule and this process's float64 contribution to its new value.
+
+    Args:
+        state, scopes, weights: as for `reconcile`. A replica with weight 0 ran
+            on a stand-in sample only to take part in the collectives; its
+            updates are ignored.
         holds_first_replica: whether this process runs replica 0 of the job,
             whose seed-generator state every process adopts.
+        for_all_reduce: the contributions will be summed over processes, so
+            every variable gets one, even where no local replica changed it
+            (every process must send the same list).
+
+    Returns:
+        `(plan, contributions)`: `plan` is a list of `(variable, rule)`;
+        `contributions[i]` is None when no replica changed variable i (one process only).
     """
     plan = []
     for variable in state.metric_variables:
@@ -97,20 +112,19 @@ def reconcile(state, scopes, weights, reduce_sum=None, holds_first_replica=True)
 
     contributions = []
     for variable, rule in plan:
-        values = [scope.get_current_value(variable) for scope in scopes]
         before = _compat.torch_tensor_of(variable)
+        values = [scope.get_current_value(variable) for scope in scopes]
         values = [None if value is None else value.to(before.device) for value in values]
-        contributions.append(_contribution(before, values, weights, rule, holds_first_replica))
-    if reduce_sum is not None:
-        present = [i for i, c in enumerate(contributions) if c is not None]
-        # Every process must send the same list: a variable no local replica
-        # touched still takes part, with a contribution of "no change".
-        if len(present) != len(contributions):
-            for i, (variable, rule) in enumerate(plan):
-                if contributions[i] is None:
-                    contributions[i] = _unchanged(_compat.torch_tensor_of(variable), rule, weights, holds_first_replica)
-        contributions = reduce_sum(contributions)
-    for (variable, rule), combined in zip(plan, contributions):
+        contribution = _contribution(before, values, weights, rule, holds_first_replica)
+        if contribution is None and for_all_reduce:
+            contribution = _unchanged(before, rule, weights, holds_first_replica)
+        contributions.append(contribution)
+    return plan, contributions
+
+
+def assign(plan, combined_values):
+    """Assigns each variable its combined contribution (None: left unchanged)."""
+    for (variable, rule), combined in zip(plan, combined_values):
         if combined is None:
             continue
         before = _compat.torch_tensor_of(variable)
