@@ -17,7 +17,8 @@ from kdist.distribute.input import (
 )
 from kdist.distribute.mirrored import MirroredStrategy
 from kdist.distribute.multi_worker import MultiWorkerMirroredStrategy
-from kdist.distribute.strategy import Strategy, StrategyExtended
+from kdist.distribute.extended import StrategyExtended
+from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored, PerReplica
 
 __all__ = [

@@ -7,7 +7,8 @@ import torch
 
 from kdist.distribute.context import ReplicaContext
 from kdist.distribute.devices import parse_device
-from kdist.distribute.strategy import Strategy, StrategyExtended
+from kdist.distribute.extended import StrategyExtended
+from kdist.distribute.strategy import Strategy
 
 
 class _DefaultExtended(StrategyExtended):

@@ -9,7 +9,8 @@ does this and `docs/glossary.md` for the terms.
 
 from kdist.collectives.local import CrossDeviceOps, ReductionToOneDevice
 from kdist.distribute.devices import device_scope, resolve_devices
-from kdist.distribute.strategy import Strategy, StrategyExtended
+from kdist.distribute.extended import StrategyExtended
+from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
 
 

@@ -14,7 +14,8 @@ from kdist.cluster import resolve_cluster
 from kdist.collectives.process import CommunicationOptions, ProcessCollectives
 from kdist.distribute.devices import resolve_devices
 from kdist.distribute.mirrored import MirroredExtended
-from kdist.distribute.strategy import HOST_DEVICE, Strategy
+from kdist.distribute.extended import HOST_DEVICE
+from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored
 from kdist.errors import InvalidArgumentError
 from kdist.types import ReduceOp
