@@ -37,10 +37,10 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
+
+from _report import environment, git_commit  # noqa: E402  (benchmarks/ is on sys.path)
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
 import keras  # noqa: E402
@@ -154,33 +154,6 @@ def run_batch_size(batch_size, num_steps, num_rounds, num_warmup_steps):
     return results
 
 
-def git_commit():
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def environment():
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "keras": keras.version(),
-        "kdist": kdist.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_num_threads": torch.get_num_threads(),
-        "device": "cpu",
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 2 rounds")
@@ -211,7 +184,7 @@ def main(argv=None):
             batch_size, args.steps, args.rounds, num_warmup_steps=max(2, args.steps // 10)
         )
         # Sampled after each batch size: the load this batch size ran under.
-        env = environment()
+        env = environment(torch_num_threads=torch.get_num_threads())
         for result in results:
             line = {"what": "mirrored_overhead", **result}
             line.update(

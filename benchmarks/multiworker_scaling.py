@@ -42,13 +42,14 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import select  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+
+from _report import environment, git_commit  # noqa: E402  (benchmarks/ is on sys.path)
 
 INPUT_FEATURES = 784
 HIDDEN_UNITS = 512
@@ -529,37 +530,6 @@ def measure_simulated(world_size, compute_seconds, args):
     }
 
 
-def git_commit():
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=10, check=True,
-        )
-        return result.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment():
-    import keras
-    import torch
-
-    import kdist
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "keras": keras.version(),
-        "kdist": kdist.__version__,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "torch_threads_per_process": 1,
-        "backend": "gloo",
-        "device": "cpu",
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=("kdist", "ddp"), help=argparse.SUPPRESS)
@@ -594,7 +564,7 @@ def main(argv=None):
     commit = git_commit()
 
     def emit(line):
-        print(json.dumps({"benchmark": "multiworker_scaling", **line, "environment": environment(), "commit": commit}), flush=True)
+        print(json.dumps({"benchmark": "multiworker_scaling", **line, "environment": environment(torch_threads_per_process=1, backend="gloo"), "commit": commit}), flush=True)
 
     groups = {}
     try:

@@ -205,6 +205,23 @@ def run(args, out_dir):
     }
 
 
+def report_failures(metrics, min_accuracy):
+    """Prints why `metrics` fail the example's checks; returns the exit status (0: passed)."""
+    failures = []
+    if metrics["test_accuracy"] < min_accuracy:
+        failures.append(f"test accuracy {metrics['test_accuracy']} is below --min-accuracy={min_accuracy}")
+    if metrics["reloaded_max_abs_difference"] > 1e-5:
+        failures.append(
+            "the reloaded model predicts differently (max |difference| "
+            f"{metrics['reloaded_max_abs_difference']:.2e})"
+        )
+    if not metrics["checkpoint_saved"]:
+        failures.append("ModelCheckpoint wrote no file")
+    for failure in failures:
+        print(f"{metrics['example']}: FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
@@ -217,22 +234,7 @@ def main(argv=None):
     metrics["seconds"] = round(time.perf_counter() - start, 2)
     print(json.dumps(metrics))
 
-    failures = []
-    if metrics["test_accuracy"] < args.min_accuracy:
-        failures.append(
-            f"test accuracy {metrics['test_accuracy']} is below "
-            f"--min-accuracy={args.min_accuracy}"
-        )
-    if metrics["reloaded_max_abs_difference"] > 1e-5:
-        failures.append(
-            "the reloaded model predicts differently (max |difference| "
-            f"{metrics['reloaded_max_abs_difference']:.2e})"
-        )
-    if not metrics["checkpoint_saved"]:
-        failures.append("ModelCheckpoint wrote no file")
-    for failure in failures:
-        print(f"mirrored_digits: FAILED: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    return report_failures(metrics, args.min_accuracy)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import kdist  # noqa: E402  (before keras: kdist checks the backend)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mirrored_digits import build_model, make_digits  # noqa: E402  (same directory)
+from mirrored_digits import build_model, make_digits, report_failures  # noqa: E402  (same directory)
 
 
 def parse_args(argv=None):
@@ -109,16 +109,7 @@ def main(argv=None):
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(metrics))
-    failures = []
-    if metrics["test_accuracy"] < args.min_accuracy:
-        failures.append(f"test accuracy {metrics['test_accuracy']} is below --min-accuracy={args.min_accuracy}")
-    if difference > 1e-5:
-        failures.append(f"the reloaded model predicts differently (max |difference| {difference:.2e})")
-    if not metrics["checkpoint_saved"]:
-        failures.append("ModelCheckpoint wrote no file")
-    for failure in failures:
-        print(f"multiworker_digits: FAILED: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    return report_failures(metrics, args.min_accuracy)
 
 
 if __name__ == "__main__":

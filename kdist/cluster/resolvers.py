@@ -125,25 +125,31 @@ class ClusterResolver(abc.ABC):
         count = torch.cuda.device_count()
         return {"GPU": count} if count > 0 else {}
 
+    # Subclasses set these once, at construction; the properties below read them.
+    _task_type = None
+    _task_id = None
+    _environment = ""
+    _rpc_layer = None
+
     @property
     def task_type(self):
         """This process's job name (`"chief"`, `"worker"`, ...), or None."""
-        return None
+        return self._task_type
 
     @property
     def task_id(self):
         """This process's index within its job, or None."""
-        return None
+        return self._task_id
 
     @property
     def environment(self):
         """The environment name TF_CONFIG may carry (e.g. `"cloud"`); `""` if none."""
-        return ""
+        return self._environment
 
     @property
     def rpc_layer(self):
         """The protocol `master()` prefixes addresses with (e.g. `"grpc"`), or None."""
-        return None
+        return self._rpc_layer
 
     @property
     def is_chief(self):
@@ -280,23 +286,3 @@ class SimpleClusterResolver(ClusterResolver):
         if self._num_accelerators is None:
             return super().num_accelerators(task_type, task_id, config_proto)
         return dict(self._num_accelerators)
-
-    @property
-    def task_type(self):
-        """This process's job name, or None."""
-        return self._task_type
-
-    @property
-    def task_id(self):
-        """This process's index within its job, or None."""
-        return self._task_id
-
-    @property
-    def environment(self):
-        """The environment name given at construction."""
-        return self._environment
-
-    @property
-    def rpc_layer(self):
-        """The rpc layer given at construction, or None."""
-        return self._rpc_layer

@@ -237,23 +237,3 @@ class TFConfigClusterResolver(ClusterResolver):
             return ""
         address = self._cluster_spec.task_address(task_type, task_id)
         return format_master_url(address, rpc_layer or self._rpc_layer)
-
-    @property
-    def task_type(self):
-        """This process's job name, or None outside a cluster."""
-        return self._task_type
-
-    @property
-    def task_id(self):
-        """This process's task index, or None outside a cluster."""
-        return self._task_id
-
-    @property
-    def environment(self):
-        """`TF_CONFIG["environment"]` or the override; `""` when neither is set."""
-        return self._environment
-
-    @property
-    def rpc_layer(self):
-        """`TF_CONFIG["rpc_layer"]` or the override; None when neither is set."""
-        return self._rpc_layer

@@ -53,13 +53,17 @@ def split_batch(batch, num_replicas):
     shards = []
     start = 0
     for size in split_sizes(total, num_replicas):
-        stop = start + size
-
-        def take(leaf, start=start, stop=stop):
-            if leaf is None or getattr(leaf, "shape", None) is None or not len(leaf.shape):
-                return leaf
-            return leaf[start:stop]
-
-        shards.append((nest.map_structure(take, batch), size))
-        start = stop
+        shards.append((slice_batch(batch, start, start + size), size))
+        start += size
     return shards
+
+
+def slice_batch(batch, start, stop):
+    """Rows `start:stop` of every array leaf of `batch` (views); other leaves as they are."""
+
+    def take(leaf):
+        if leaf is None or getattr(leaf, "shape", None) is None or not len(leaf.shape):
+            return leaf
+        return leaf[start:stop]
+
+    return nest.map_structure(take, batch)

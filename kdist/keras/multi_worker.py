@@ -120,10 +120,11 @@ _CHIEF_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
 def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
     """Returns the (args, kwargs) a rank passes to Keras' fit/evaluate/predict."""
     collectives = collectives_of(strategy)
-    bound = inspect.signature(method).bind(model, *args, **kwargs)
+    signature = inspect.signature(method)
+    bound = signature.bind(model, *args, **kwargs)
     arguments = bound.arguments
     is_chief = collectives.rank == 0
-    if not is_chief and "verbose" in inspect.signature(method).parameters:
+    if not is_chief and "verbose" in signature.parameters:
         arguments["verbose"] = 0
     callbacks = arguments.get("callbacks")
     # A CallbackList is what fit passes to its own validation evaluate: already adjusted.

@@ -25,7 +25,7 @@ step of every fit/evaluate/predict call) and apply the same all-reduced values.
 import keras
 import torch
 
-from kdist.distribute.batching import batch_size_of, split_batch, split_sizes
+from kdist.distribute.batching import batch_size_of, slice_batch, split_sizes
 from kdist.keras import _compat
 
 
@@ -51,13 +51,17 @@ class ProcessSync:
     def local_shards(self, batch, num_local):
         """This rank's `(local id, shard, size)` list and the global batch size."""
         total = batch_size_of(batch)
-        shards = split_batch(batch, num_local * self.world_size)
-        mine = shards[self.rank * num_local : (self.rank + 1) * num_local]
-        active = [(k, shard, n) for k, (shard, n) in enumerate(mine) if n > 0]
+        sizes = split_sizes(total, num_local * self.world_size)
+        first = self.rank * num_local
+        start = sum(sizes[:first])
+        active = []
+        for k, size in enumerate(sizes[first : first + num_local]):
+            if size:
+                active.append((k, slice_batch(batch, start, start + size), size))
+            start += size
         if not active:
             # A stand-in sample keeps this rank in the collectives; weight 0.
-            stand_in = split_batch(batch, total)[0][0]
-            active = [(0, stand_in, 0)]
+            active = [(0, slice_batch(batch, 0, 1), 0)]
         return active, total
 
     def rows_per_rank(self, total, num_local):
