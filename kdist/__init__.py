@@ -17,6 +17,7 @@ ensure_torch_backend()
 
 from kdist import errors  # noqa: E402
 from kdist import cluster  # noqa: E402
+from kdist import ps  # noqa: E402
 from kdist.collectives import CommunicationOptions, CrossDeviceOps, ReductionToOneDevice  # noqa: E402
 from kdist.distribute import (  # noqa: E402
     DistributedValues,
@@ -24,6 +25,7 @@ from kdist.distribute import (  # noqa: E402
     Mirrored,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
+    ParameterServerStrategy,
     PerReplica,
     ReplicaContext,
     Strategy,
@@ -34,6 +36,7 @@ from kdist.distribute import (  # noqa: E402
     get_strategy,
     has_strategy,
     in_cross_replica_context,
+    partitioners,
 )
 from kdist.keras import hooks as _keras_hooks  # noqa: E402
 from kdist.types import ReduceOp, VariableAggregation  # noqa: E402
@@ -50,6 +53,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -59,10 +63,13 @@ __all__ = [
     "ValueContext",
     "VariableAggregation",
     "cluster",
+    "distribute",
     "errors",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "partitioners",
+    "ps",
 ]

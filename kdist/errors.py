@@ -83,3 +83,60 @@ class CollectiveTimeoutError(KdistError, RuntimeError):
         self.operation = operation
         self.missing_ranks = tuple(missing_ranks)
         self.timeout_seconds = timeout_seconds
+
+
+class ParameterServerUnavailableError(KdistError, ConnectionError):
+    """A parameter server could not be reached within the deadline.
+
+    Retryable: the server may be starting, restarting or briefly overloaded.
+    Raised after gRPC's own retries (on `UNAVAILABLE`) are spent, or when a
+    call's deadline passed.
+
+    Attributes:
+        address: the server's `"host:port"`.
+        deadline_seconds: how long the call was allowed to take.
+        detail: gRPC's description of the failure (for people, not for code).
+    """
+
+    retryable = True
+
+    def __init__(self, address, deadline_seconds, detail=""):
+        message = (
+            f"The parameter server at {address} could not be reached within "
+            f"{deadline_seconds:g} seconds. Check that it is running and that the address "
+            "is right; the call may be retried."
+        )
+        if detail:
+            message += f" gRPC said: {detail}"
+        super().__init__(message)
+        self.address = address
+        self.deadline_seconds = deadline_seconds
+        self.detail = detail
+
+
+class ParameterServerError(KdistError, RuntimeError):
+    """A parameter server refused or failed a call. Fatal: fix the request.
+
+    Raised for `INVALID_ARGUMENT` (wrong shape, dtype, name, out-of-range id),
+    `NOT_FOUND` (unknown variable or checkpoint), `FAILED_PRECONDITION` (no
+    optimizer configured, a conflicting optimizer), `RESOURCE_EXHAUSTED` (a
+    message above the size limit) and any other non-transient status.
+
+    Attributes:
+        address: the server's `"host:port"`.
+        code_name: the gRPC status code's name, e.g. `"INVALID_ARGUMENT"`.
+        detail: the server's explanation.
+    """
+
+    def __init__(self, address, code_name, detail):
+        super().__init__(f"The parameter server at {address} answered {code_name}: {detail}")
+        self.address = address
+        self.code_name = code_name
+        self.detail = detail
+
+
+class UnauthenticatedError(ParameterServerError):
+    """A parameter server refused a call without the right token (`UNAUTHENTICATED`).
+
+    Fatal: give the client the server's token (`Security(token=...)`).
+    """

@@ -15,8 +15,12 @@ from kdist.distribute.input import (
     InputContext,
     ValueContext,
 )
+from kdist.distribute import partitioners
 from kdist.distribute.mirrored import MirroredStrategy
 from kdist.distribute.multi_worker import MultiWorkerMirroredStrategy
+from kdist.distribute.parameter_server import ParameterServerStrategy
+from kdist.distribute.server import Server
+from kdist.distribute.sharded_variable import RemoteVariable, ShardedVariable
 from kdist.distribute.extended import StrategyExtended
 from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored, PerReplica
@@ -30,8 +34,12 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
+    "RemoteVariable",
     "ReplicaContext",
+    "Server",
+    "ShardedVariable",
     "Strategy",
     "StrategyExtended",
     "ValueContext",
@@ -40,4 +48,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "partitioners",
 ]

@@ -8,12 +8,15 @@ message naming it instead of breaking training silently.
 import collections
 
 import keras
+from keras.src.backend.common import global_state as _global_state
+from keras.src.backend.torch import core as _torch_core_module
 from keras.src.backend.torch import trainer as _torch_trainer_module
 from keras.src.trainers import trainer as _trainer_module
 from keras.src.trainers.data_adapters import array_data_adapter as _array_adapter_module
 
 Trainer = _trainer_module.Trainer
 TorchEpochIterator = _torch_trainer_module.TorchEpochIterator
+TorchVariable = _torch_core_module.Variable
 
 # Keras releases up to 3.15 reject `steps_per_execution > 1` in the torch
 # trainer; later releases loop over the list of batches a step receives.
@@ -42,7 +45,54 @@ PINNED_INTERNALS = {
     "BackupAndRestore._current_epoch": lambda: _probe_backup()._current_epoch,
     "BackupAndRestore._last_batch_seen": lambda: _probe_backup()._last_batch_seen,
     "BackupAndRestore._save_model": lambda: _probe_backup()._save_model,
+    "keras.src.backend.torch.core.Variable._initialize": lambda: TorchVariable._initialize,
+    "global_state name_scope_stack": lambda: _probe_name_scope_stack(),
+    "BaseOptimizer._clip_gradients": lambda: keras.optimizers.SGD()._clip_gradients,
+    "BaseOptimizer._trainable_variables": lambda: keras.optimizers.SGD()._trainable_variables,
 }
+
+
+def _probe_name_scope_stack():
+    with keras.name_scope("kdist_probe"):
+        stack = _global_state.get_global_attribute("name_scope_stack")
+        if not stack or stack[-1].name != "kdist_probe" or not hasattr(stack[-1], "caller"):
+            raise AttributeError("name_scope_stack no longer records name scopes with their caller")
+    return stack
+
+
+# ----- variable birth ----------------------------------------------------------------
+def variable_owner():
+    """The object whose `name_scope` encloses a variable being created now (None at top level).
+
+    Keras opens a scope with `caller=self` around every variable an optimizer,
+    metric, seed generator or layer makes.
+    """
+    stack = _global_state.get_global_attribute("name_scope_stack") or ()
+    return stack[-1].caller if stack else None
+
+
+def is_model_variable(variable, owner):
+    """False for variables Keras makes for an optimizer, a metric or a random seed."""
+    if getattr(variable, "synchronization", None) == "on_read":
+        return False
+    return not isinstance(
+        owner, (keras.optimizers.Optimizer, keras.metrics.Metric, keras.random.SeedGenerator)
+    )
+
+
+def sublayers(model):
+    """Every layer nested in `model` (not `model` itself), depth first."""
+    return model._flatten_layers(include_self=False)
+
+
+def optimizer_trainable_variables(optimizer):
+    """The variables a built optimizer applies to when `apply` gets no variables."""
+    return optimizer._trainable_variables
+
+
+def clip_gradients(optimizer, gradients):
+    """The optimizer's own `clipnorm`/`clipvalue`/`global_clipnorm` applied to `gradients`."""
+    return optimizer._clip_gradients(gradients)
 
 
 def _probe_epoch_iterator():

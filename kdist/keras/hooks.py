@@ -20,7 +20,7 @@ import warnings
 
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, multi_worker, replica_engine
+from kdist.keras import _compat, multi_worker, ps_training, replica_engine
 from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution, wrap_optimizer
 
 _SCOPED_METHODS = (
@@ -69,8 +69,18 @@ def install():
         # A no-op unless a multi-worker fit/evaluate/predict runs in this thread.
         return multi_worker.synchronised_iterable(self, original_get_iterator(self))
 
+    original_initialize = _compat.TorchVariable._initialize
+
+    @functools.wraps(original_initialize)
+    def _initialize(self, value):
+        original_initialize(self, value)
+        # The one point every variable passes through, whoever creates it.
+        if context.has_strategy():
+            ps_training.on_variable_created(self, context.get_strategy())
+
     trainer.__init__ = __init__
     trainer.compile = compile
+    _compat.TorchVariable._initialize = _initialize
     _compat.TorchEpochIterator._get_iterator = _get_iterator
     _installed = True
 
@@ -99,6 +109,9 @@ def attach(model, strategy):
         for name in _SCOPED_METHODS:
             _override(model, name, _scoped(model, name))
         object.__setattr__(model, "_kdist_attached", True)
+    if ps_training.is_parameter_server(strategy) and getattr(model, "optimizer", None) is not None:
+        # Before the replica engine's wrapper, which then records around this one.
+        ps_training.attach(model, strategy)
     wrap_optimizer(getattr(model, "optimizer", None))
     if multi_worker.collectives_of(strategy) is not None and not replica_engine._TESTING_FAULTS.upstream_metrics_result:
         # Metrics are already combined across processes by kdist (see _compat).
@@ -109,6 +122,8 @@ def attach(model, strategy):
             _override(model, f"make_{kind}_function", _make_function(model, kind, engine))
             # Drop step functions Keras may have built before the model was attached.
             object.__setattr__(model, f"{kind}_function", None)
+    if ps_training.is_parameter_server(strategy):
+        ps_training.attach(model, strategy)
 
 
 def _override(model, name, function):
@@ -129,6 +144,8 @@ def _scoped(model, name):
             )
         collectives = multi_worker.collectives_of(strategy)
         with strategy.scope():
+            if ps_training.is_parameter_server(strategy):
+                return ps_training.scoped_call(method, self, name, args, kwargs)
             if collectives is None:
                 return method(self, *args, **kwargs)
             if name in ("save", "save_weights"):

@@ -1,7 +1,8 @@
-"""The `kdist` command line: `kdist launch` (also `python -m kdist launch`).
+"""The `kdist` command line: `kdist launch` and `kdist server` (also `python -m kdist ...`).
 
-Imports neither Keras nor torch: it only starts the user's script as child
-processes, which do.
+`kdist launch` imports neither Keras nor torch: it only starts the user's script
+as child processes, which do. `kdist server` (see `kdist.launch.server_cli`)
+serves a parameter-server task in this process.
 """
 
 import argparse
@@ -10,7 +11,7 @@ import sys
 import threading
 
 from kdist.errors import InvalidArgumentError
-from kdist.launch import plans
+from kdist.launch import plans, server_cli
 from kdist.launch.cluster_file import parse_task
 from kdist.launch.processes import ProcessSet, ProcessSetTimeout
 from kdist.launch.spec import describe_returncode
@@ -65,7 +66,7 @@ output and exit:
 
 
 def build_parser():
-    """Returns the `kdist` argument parser (subcommand `launch`)."""
+    """Returns the `kdist` argument parser (subcommands `launch` and `server`)."""
     parser = argparse.ArgumentParser(
         prog="kdist", description="kdist: tf.distribute-style distributed training for Keras 3."
     )
@@ -79,7 +80,9 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_launch_arguments(launch)
-    launch.set_defaults(run=run_launch, parser=launch)
+    launch.set_defaults(prepare=plans.build_specs, run=run_launch, parser=launch)
+    server = server_cli.add_parser(commands, _count, _seconds)
+    server.set_defaults(prepare=server_cli.prepare, run=server_cli.run_server, parser=server)
     return parser
 
 
@@ -166,13 +169,14 @@ def main(argv=None):
     try:
         args = parser.parse_args(argv)
         try:
-            specs = plans.build_specs(args)
+            # Every check that can fail before anything starts: a usage error (exit 2).
+            plan = args.prepare(args)
         except InvalidArgumentError as error:
             args.parser.error(str(error))
     except SystemExit as exit_request:
         code = exit_request.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
-    return args.run(args, specs)
+    return args.run(args, plan)
 
 
 def run_launch(args, specs):

@@ -1,0 +1,306 @@
+"""The worker's view of variables that live on parameter servers.
+
+Every variable created in a `ParameterServerStrategy` scope keeps a local
+Keras variable (the model computes with it, and a saved `.keras` file holds
+it) plus an entry here: where its shards live, the server version each shard
+was last read at, and whether lookups replace dense reads (embedding tables).
+
+All traffic goes through `kdist.ps.VariableClient`. A call that touches
+several parameter servers sends one request to each, in parallel, so a
+training step costs one round trip per server for its pull and one for its
+push.
+
+Thread-safety: `RemoteVariables` may be used from several threads; each entry
+is written by the thread that runs the model's step.
+"""
+
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+import torch
+
+from kdist.errors import InvalidArgumentError
+from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit
+
+
+@dataclasses.dataclass(eq=False)
+class RemoteEntry:
+    """One variable created in scope: its local copy and where its shards live.
+
+    Attributes:
+        variable: the local `keras.Variable` the model computes with.
+        placement: its `kdist.distribute.placement.VariablePlacement`.
+        keys: the server-side name of each shard, in shard order.
+        versions: server version of each shard at the last read.
+        row_sparse: True when steps look rows up instead of reading the table.
+    """
+
+    variable: object
+    placement: object
+    keys: tuple
+    versions: list
+    row_sparse: bool = False
+    snapshot: object = None
+
+    @property
+    def trainable(self):
+        return bool(self.variable.trainable)
+
+    @property
+    def local_tensor(self):
+        return self.variable.value
+
+
+class RemoteVariables:
+    """Creates, reads, updates and looks up variables on a job's parameter servers.
+
+    Args:
+        addresses: `host:port` of every `ps` task, by task index.
+        options: `kdist.ps.ServiceOptions` for every client, or None.
+        security: `kdist.ps.Security` (token, TLS), or None.
+    """
+
+    def __init__(self, addresses, options=None, security=None):
+        self._clients = [VariableClient(address, options=options, security=security) for address in addresses]
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, len(self._clients)), thread_name_prefix="kdist-ps"
+        )
+        self._entries = {}
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def clients(self):
+        """One `kdist.ps.VariableClient` per parameter server, by task index."""
+        return tuple(self._clients)
+
+    # ----- creation ---------------------------------------------------------------
+    def register(self, variable, placement):
+        """Creates `variable`'s shards on their servers; the local copy takes the servers' value.
+
+        Idempotent across workers: the first creator's value wins, so every
+        worker starts from the same weights.
+        """
+        with self._lock:
+            index = next(self._counter)
+        # Keyed by creation order, not by name: Keras numbers default names per
+        # process ("variable_3"), while every worker of a between-graph job
+        # creates the same variables in the same order.
+        if placement.is_partitioned:
+            keys = tuple(f"v{index}/part_{position}" for position in range(len(placement.shards)))
+        else:
+            keys = (f"v{index}",)
+        entry = RemoteEntry(variable, placement, keys, [0] * len(keys))
+        value = _to_numpy(variable.value)
+        requests = {}
+        for position, shard in enumerate(placement.shards):
+            item = VariableInit(keys[position], value[shard.row_start : shard.row_stop] if placement.is_partitioned else value, trainable=bool(variable.trainable))
+            requests.setdefault(shard.ps_index, []).append((position, item))
+        results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
+        for ps_index, items in requests.items():
+            for (position, _), state in zip(items, results[ps_index]):
+                self._write_shard(entry, position, state.value)
+                entry.versions[position] = state.version
+        self._take_snapshot(entry)
+        with self._lock:
+            self._entries[id(variable)] = entry
+        return entry
+
+    def entry(self, variable):
+        """The `RemoteEntry` of `variable`, or None when it does not live on a parameter server."""
+        entry = self._entries.get(id(variable))
+        return entry if entry is not None and entry.variable is variable else None
+
+    def entries(self, variables):
+        """Entries of those `variables` that live on parameter servers, in order, without repeats."""
+        seen, result = set(), []
+        for variable in variables:
+            entry = self.entry(variable)
+            if entry is not None and id(entry) not in seen:
+                seen.add(id(entry))
+                result.append(entry)
+        return result
+
+    # ----- reads ------------------------------------------------------------------
+    def pull(self, entries, *, include_row_sparse=False, only_changed=True):
+        """Reads the servers' values into the local copies (one request per server)."""
+        requests = {}
+        for entry in entries:
+            if entry.row_sparse and not include_row_sparse:
+                continue
+            for position, shard in enumerate(entry.placement.shards):
+                requests.setdefault(shard.ps_index, []).append((entry, position))
+
+        def pull_from(client, items):
+            names = [entry.keys[position] for entry, position in items]
+            known = {entry.keys[position]: entry.versions[position] for entry, position in items} if only_changed else None
+            return client.pull(names, known_versions=known)
+
+        results = self._per_server(requests, pull_from)
+        for ps_index, items in requests.items():
+            for (entry, position), state in zip(items, results[ps_index]):
+                if state.value is not None:
+                    self._write_shard(entry, position, state.value)
+                entry.versions[position] = state.version
+        for entry in entries:
+            self._take_snapshot(entry)
+
+    def lookup(self, entry, row_ids):
+        """Rows `row_ids` (unique, int64, 1-D) of `entry`'s table, read from the shards that own them.
+
+        Returns:
+            `(rows, versions)`: a float tensor of `len(row_ids)` rows on the
+            CPU and the version of each shard that answered (by shard position).
+        """
+        ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
+        starts = np.array([shard.row_start for shard in entry.placement.shards])
+        owner = np.searchsorted(starts, ids, side="right") - 1
+        requests = {}
+        for position, shard in enumerate(entry.placement.shards):
+            selected = np.nonzero(owner == position)[0]
+            if len(selected):
+                requests.setdefault(shard.ps_index, []).append((position, selected, ids[selected] - shard.row_start))
+        results = self._per_server(
+            requests, lambda client, items: client.lookup([(entry.keys[position], local) for position, _, local in items])
+        )
+        rows = np.empty((len(ids),) + tuple(entry.placement.shape[1:]), dtype=_to_numpy(entry.variable.value[:0]).dtype)
+        versions = {}
+        for ps_index, items in requests.items():
+            for (position, selected, _), (values, version) in zip(items, results[ps_index]):
+                rows[selected] = values
+                versions[position] = version
+        return torch.from_numpy(rows), versions
+
+    # ----- writes -----------------------------------------------------------------
+    def push(self, dense, rows=(), assign=()):
+        """Sends one update to every server it concerns, in parallel.
+
+        Args:
+            dense: `(entry, gradient tensor)` pairs, full-variable gradients.
+            rows: `(entry, unique row ids, row gradients, shard versions)`.
+            assign: entries whose local value replaces the servers' value.
+
+        Returns:
+            A list of `kdist.ps.PushResult`, one per server contacted.
+        """
+        requests = {}
+        for entry, gradient in dense:
+            gradient = _to_numpy(gradient)
+            for position, shard in enumerate(entry.placement.shards):
+                part = gradient[shard.row_start : shard.row_stop] if entry.placement.is_partitioned else gradient
+                update = DenseGradient(entry.keys[position], part, entry.versions[position])
+                requests.setdefault(shard.ps_index, ([], []))[0].append(update)
+        for entry, row_ids, values, versions in rows:
+            ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
+            values = _to_numpy(values)
+            for position, shard in enumerate(entry.placement.shards):
+                selected = np.nonzero((ids >= shard.row_start) & (ids < shard.row_stop))[0]
+                if len(selected):
+                    update = RowGradient(entry.keys[position], ids[selected] - shard.row_start, values[selected], versions.get(position, entry.versions[position]))
+                    requests.setdefault(shard.ps_index, ([], []))[0].append(update)
+        for entry in assign:
+            value = _to_numpy(entry.variable.value)
+            for position, shard in enumerate(entry.placement.shards):
+                part = value[shard.row_start : shard.row_stop] if entry.placement.is_partitioned else value
+                requests.setdefault(shard.ps_index, ([], []))[1].append(Assignment(entry.keys[position], part))
+        results = self._per_server(requests, lambda client, pair: client.push(pair[0], pair[1]))
+        return list(results.values())
+
+    def assign(self, entries):
+        """Writes the local values of `entries` to their servers (restoring weights, for instance)."""
+        self.push((), (), assign=entries)
+        self.pull(entries, include_row_sparse=True)
+
+    def configure_optimizer(self, config, entries):
+        """Tells each server which optimizer applies the pushes to `entries`' shards."""
+        requests = {}
+        for entry in entries:
+            for position, shard in enumerate(entry.placement.shards):
+                requests.setdefault(shard.ps_index, []).append(entry.keys[position])
+        self._per_server(requests, lambda client, names: client.configure_optimizer(config, names))
+
+    def optimizer_state(self, entries):
+        """Reads back the servers' optimizer state of `entries`.
+
+        Returns:
+            A list, one item per entry: `(iterations, {slot name: full array})`;
+            a partitioned variable's slots are its shards' slots concatenated.
+        """
+        requests = {}
+        for entry in entries:
+            for position, shard in enumerate(entry.placement.shards):
+                requests.setdefault(shard.ps_index, []).append(entry.keys[position])
+        results = self._per_server(requests, lambda client, names: client.optimizer_state(names))
+        states = {}
+        for per_server in results.values():
+            states.update(per_server)
+        gathered = []
+        for entry in entries:
+            shards = [states[key] for key in entry.keys]
+            iterations = max(state.iterations for state in shards)
+            slots = {
+                name: np.concatenate([state.slots[name] for state in shards]) if len(shards) > 1 else shards[0].slots[name]
+                for name in shards[0].slots
+            }
+            gathered.append((iterations, slots))
+        return gathered
+
+    def stats(self):
+        """`kdist.ps.ServerStats` of every parameter server, by task index."""
+        return [client.stats() for client in self._clients]
+
+    def close(self):
+        """Closes every channel and the worker threads. Idempotent."""
+        for client in self._clients:
+            client.close()
+        self._pool.shutdown(wait=False)
+
+    # ----- helpers ------------------------------------------------------------------
+    def _per_server(self, requests, call):
+        """Runs `call(client, payload)` for every `{ps_index: payload}` concurrently."""
+        if len(requests) == 1:
+            ((ps_index, payload),) = requests.items()
+            return {ps_index: call(self._clients[ps_index], payload)}
+        futures = {ps_index: self._pool.submit(call, self._clients[ps_index], payload) for ps_index, payload in requests.items()}
+        return {ps_index: future.result() for ps_index, future in futures.items()}
+
+    @staticmethod
+    def _write_shard(entry, position, value):
+        shard = entry.placement.shards[position]
+        target = entry.variable.value
+        source = torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
+        with torch.no_grad():
+            if entry.placement.is_partitioned:
+                target[shard.row_start : shard.row_stop].copy_(source.reshape(target[shard.row_start : shard.row_stop].shape))
+            else:
+                target.copy_(source.reshape(target.shape))
+
+    @staticmethod
+    def _take_snapshot(entry):
+        # Non-trainable state (BatchNorm statistics) is written back only when a
+        # step changed it, so frozen weights cost nothing per step.
+        if not entry.trainable:
+            entry.snapshot = entry.variable.value.detach().clone()
+
+    @staticmethod
+    def changed(entry):
+        """True when a non-trainable entry's local value differs from what was last read."""
+        return entry.snapshot is not None and not torch.equal(entry.snapshot, entry.variable.value.detach())
+
+
+def _to_numpy(tensor):
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.dtype == torch.bfloat16:
+        raise InvalidArgumentError(
+            "bfloat16 variables cannot live on parameter servers yet. Received: a bfloat16 "
+            "variable. Keep parameter-server variables in float32 (mixed precision computes "
+            "in bfloat16 while variables stay float32)."
+        )
+    return tensor.contiguous().numpy()

@@ -1,0 +1,376 @@
+"""Keras training against parameter servers (`ParameterServerStrategy`).
+
+What changes for a model attached to a parameter-server strategy:
+
+- every step function (`train`/`test`/`predict`, Keras' own or the replica
+  engine's) first pulls the variables that changed on the servers into the
+  local copies — one request per server;
+- the optimizer's `apply` no longer updates anything locally: it scales and
+  clips the gradients as the optimizer would (norms need whole gradients,
+  which only the worker has), then the step's update goes to the servers in
+  one push per server, together with non-trainable state the step changed
+  (BatchNorm statistics). The servers apply the optimizer, rebuilt from its
+  config, under a per-variable lock;
+- `Embedding` layers whose table lives on parameter servers read only the rows
+  a batch uses and push only those rows' gradients (one worker device);
+- `fit` ends, and `save`/`save_weights` start, by reading the servers' state
+  (weights and optimizer slots) into the local model, so the file written is
+  the parameter servers' current state and loads in plain Keras. Only the
+  chief writes; other workers skip the write with a warning.
+
+Called from `kdist.keras.hooks`; the only Keras internals used come from
+`kdist.keras._compat`.
+"""
+
+import dataclasses
+import threading
+import warnings
+
+import keras
+import torch
+
+from kdist.errors import UnsupportedError
+from kdist.keras import _compat, ps_embeddings
+
+@dataclasses.dataclass
+class FaultInjection:
+    """Deliberate bugs for the negative-control tests. Never set these in user code.
+
+    Attributes:
+        skip_pull: train on the local copies without reading the servers'
+            values before each step (every step then computes gradients at
+            stale weights).
+    """
+
+    skip_pull: bool = False
+
+
+_TESTING_FAULTS = FaultInjection()
+_local = threading.local()
+
+
+def _current_step():
+    """The `_Step` of the step function running in this thread, or None."""
+    return getattr(_local, "step", None)
+# Optimizer settings the worker applies itself before pushing (they need the
+# whole gradient, or the worker's loss scale); the servers get them switched off.
+_WORKER_SIDE_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor")
+
+
+def is_parameter_server(strategy):
+    """True for a strategy whose variables live on parameter servers."""
+    return hasattr(strategy.extended, "remote_variables")
+
+
+def on_variable_created(variable, strategy):
+    """Places `variable` on the parameter servers unless Keras made it for an optimizer, metric or RNG.
+
+    An optimizer created in scope is connected too (its first variable is
+    born in its constructor), so a custom loop's `optimizer.apply` pushes.
+    """
+    if not is_parameter_server(strategy):
+        return
+    owner = _compat.variable_owner()
+    if _compat.is_model_variable(variable, owner):
+        strategy.extended._on_variable_created(variable)
+    elif isinstance(owner, keras.optimizers.Optimizer) and getattr(owner, "_kdist_ps_session", None) is None:
+        _wrap_optimizer(owner, PSSession(None, strategy))
+
+
+class _Step:
+    """The update one step function call produces, pushed when the call returns."""
+
+    def __init__(self):
+        self.rows = {}
+        self.dense = []
+        self.row_updates = []
+        self.pending = False
+
+    def record_rows(self, entry, ids, rows, versions):
+        self.rows.setdefault(id(entry), []).append((ids, rows, versions))
+
+
+class PSSession:
+    """Per-model state: which variables are remote, which optimizer the servers use.
+
+    Not thread-safe: used by the thread that runs the model's `fit`.
+    """
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        self.store = strategy.extended.remote_variables
+        self._configured = set()
+
+    # ----- reads ----------------------------------------------------------------
+    def entries(self):
+        """Remote entries of the model's weights (none for an optimizer used without a model)."""
+        return [] if self.model is None else self.store.entries(self.model.weights)
+
+    def pull(self, include_row_sparse=False):
+        """Reads what changed on the servers since the last read (one request per server)."""
+        self.store.pull(self.entries(), include_row_sparse=include_row_sparse)
+
+    # ----- optimizer --------------------------------------------------------------
+    def configure(self, optimizer, entries):
+        missing = [entry for entry in entries if entry.trainable and id(entry) not in self._configured]
+        if not missing or optimizer is None:
+            return
+        self.store.configure_optimizer(server_optimizer_config(optimizer), missing)
+        self._configured.update(id(entry) for entry in missing)
+
+    def check_supported(self):
+        for entry in self.entries():
+            if entry.trainable and getattr(entry.variable, "constraint", None) is not None:
+                raise UnsupportedError(
+                    "Variables with a constraint cannot live on parameter servers: the servers "
+                    f"apply updates and do not know the constraint. Received: variable "
+                    f"{entry.variable.path!r} with constraint {entry.variable.constraint!r}. "
+                    "Drop the constraint or train this model with MirroredStrategy."
+                )
+
+    def update_from(self, optimizer, gradients, variables, step):
+        """Turns `optimizer.apply(gradients, variables)` into a server update (see module doc)."""
+        tensors, targets, local = [], [], []
+        for gradient, variable in zip(gradients, variables):
+            entry = self.store.entry(variable)
+            if entry is None:
+                local.append((gradient, variable))
+            elif entry.row_sparse:
+                records = step.rows.pop(id(entry), []) if step is not None else []
+                if gradient is not None:
+                    raise UnsupportedError(
+                        "An embedding table that is read by row lookups was also used densely "
+                        f"(it received a full gradient). Received: variable {variable.path!r}. "
+                        "Tie weights through a separate layer, or use several worker devices, "
+                        "where tables are read whole."
+                    )
+                records = [(ids, rows, versions) for ids, rows, versions in records if rows.grad is not None]
+                if records:
+                    ids = torch.cat([ids for ids, _, _ in records])
+                    versions = {}
+                    for _, _, record_versions in records:
+                        for position, version in record_versions.items():
+                            versions[position] = min(version, versions.get(position, version))
+                    tensors.append(torch.cat([rows.grad for _, rows, _ in records]))
+                    targets.append((entry, ids, versions))
+            elif gradient is not None:
+                tensors.append(gradient)
+                targets.append((entry, None, None))
+        if local:
+            raise UnsupportedError(
+                "Under ParameterServerStrategy every trainable variable must be created in "
+                "strategy.scope() so it lives on the parameter servers. Received local variables "
+                f"{[variable.path for _, variable in local]}. Build the model inside the scope."
+            )
+        scale = optimizer.loss_scale_factor
+        if scale is not None:
+            tensors = [tensor / scale for tensor in tensors]
+        tensors = _compat.clip_gradients(optimizer, tensors)
+        dense = [(entry, tensor) for tensor, (entry, ids, _) in zip(tensors, targets) if ids is None]
+        rows = [(entry, ids, tensor, versions) for tensor, (entry, ids, versions) in zip(tensors, targets) if ids is not None]
+        self.configure(optimizer, [entry for entry, _ in dense] + [entry for entry, *_ in rows])
+        return dense, rows
+
+    def push(self, dense, rows, with_state):
+        assign = [entry for entry in self.entries() if not entry.trainable and self.store.changed(entry)] if with_state else []
+        if dense or rows or assign:
+            self.store.push(dense, rows, assign)
+
+    # ----- save -------------------------------------------------------------------
+    def read_back(self):
+        """Makes the local model and optimizer hold the parameter servers' current state."""
+        self.store.pull(self.entries(), include_row_sparse=True, only_changed=False)
+        optimizer = self.model.optimizer
+        trainable = [entry for entry in self.entries() if entry.trainable]
+        if optimizer is None or not trainable:
+            return
+        # Idempotent on the servers; a chief that never trained has not sent it yet.
+        self.configure(optimizer, trainable)
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        states = self.store.optimizer_state(trainable)
+        iterations = 0
+        for entry, (entry_iterations, slots) in zip(trainable, states):
+            iterations = max(iterations, entry_iterations)
+            for slot_name, value in slots.items():
+                slot = getattr(optimizer, "_kdist_ps_slots", {}).get((id(entry.variable), slot_name))
+                if slot is None:
+                    raise UnsupportedError(
+                        f"Cannot map the server's optimizer slot {slot_name!r} of "
+                        f"{entry.variable.path!r} to the local optimizer. The optimizer must be "
+                        "built after the model is compiled in strategy.scope() (Keras does this "
+                        "in fit), and its slots must be made with add_variable_from_reference."
+                    )
+                slot.assign(value)
+        optimizer.iterations.assign(iterations)
+
+
+def session_of(model):
+    return getattr(model, "_kdist_ps_session", None)
+
+
+def attach(model, strategy):
+    """Connects `model` to `strategy`'s parameter servers (idempotent; see the module doc)."""
+    session = session_of(model)
+    if session is None or session.strategy is not strategy:
+        session = PSSession(model, strategy)
+        object.__setattr__(model, "_kdist_ps_session", session)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "_kdist_ps_session", None) is not session:
+        _wrap_optimizer(optimizer, session)
+    for kind in ("train", "test", "predict"):
+        _wrap_make_function(model, kind, session)
+    return session
+
+
+def _wrap_optimizer(optimizer, session):
+    original_apply = getattr(optimizer, "_kdist_ps_original_apply", None) or optimizer.apply
+    original_add = getattr(optimizer, "_kdist_ps_original_add", None) or optimizer.add_variable_from_reference
+
+    def apply(grads, trainable_variables=None):
+        if trainable_variables is None:
+            trainable_variables = _compat.optimizer_trainable_variables(optimizer)
+        step = _current_step()
+        with torch.no_grad():
+            dense, rows = session.update_from(optimizer, list(grads), list(trainable_variables), step)
+            optimizer.iterations.assign_add(1)
+        if step is not None:
+            if step.pending:
+                # A second apply in one step function call: send the first now.
+                session.push(step.dense, step.row_updates, with_state=False)
+            step.dense, step.row_updates, step.pending = dense, rows, True
+            return
+        # A custom training loop: push at once, then read the result back as a
+        # local apply would have changed the variables.
+        session.push(dense, rows, with_state=False)
+        session.store.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        slot = original_add(reference_variable, *args, **kwargs)
+        name = kwargs.get("name", args[0] if args else None)
+        optimizer._kdist_ps_slots[(id(reference_variable), name)] = slot
+        return slot
+
+    if not hasattr(optimizer, "_kdist_ps_slots"):
+        object.__setattr__(optimizer, "_kdist_ps_slots", {})
+    object.__setattr__(optimizer, "_kdist_ps_original_apply", original_apply)
+    object.__setattr__(optimizer, "_kdist_ps_original_add", original_add)
+    object.__setattr__(optimizer, "_kdist_ps_session", session)
+    object.__setattr__(optimizer, "apply", apply)
+    object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+
+
+def _wrap_make_function(model, kind, session):
+    attribute = f"make_{kind}_function"
+    base = getattr(model, f"_kdist_ps_base_{attribute}", None)
+    if base is None or getattr(model, attribute) is not getattr(model, f"_kdist_ps_{attribute}", None):
+        base = getattr(model, attribute)
+        object.__setattr__(model, f"_kdist_ps_base_{attribute}", base)
+
+    def make_function(force=False):
+        if model.jit_compile:
+            warnings.warn(
+                "jit_compile=True is turned off under ParameterServerStrategy: each step talks "
+                "to the parameter servers, which torch.compile cannot trace. The model trains eagerly.",
+                stacklevel=2,
+            )
+            model.jit_compile = False
+        base(force=force)
+        function = getattr(model, f"{kind}_function")
+        if getattr(function, "_kdist_ps_wrapped", False):
+            return function
+        wrapped = _train_wrapper(function, session) if kind == "train" else _read_wrapper(function, session)
+        wrapped._kdist_ps_wrapped = True
+        object.__setattr__(model, f"{kind}_function", wrapped)
+        return wrapped
+
+    object.__setattr__(model, f"_kdist_ps_{attribute}", make_function)
+    object.__setattr__(model, attribute, make_function)
+    object.__setattr__(model, f"{kind}_function", None)
+
+
+def _train_wrapper(function, session):
+    def train_function(data):
+        if not _TESTING_FAULTS.skip_pull:
+            session.pull()
+        step = _Step()
+        _local.step = step
+        try:
+            logs = function(data)
+        finally:
+            _local.step = None
+        session.push(step.dense, step.row_updates, with_state=True)
+        return logs
+
+    return train_function
+
+
+def _read_wrapper(function, session):
+    def read_function(data):
+        # Other workers keep training while this one evaluates: read what changed.
+        session.pull()
+        return function(data)
+
+    return read_function
+
+
+def server_optimizer_config(optimizer):
+    """`keras.optimizers.serialize(optimizer)` with the worker-side settings switched off.
+
+    Raises:
+        kdist.errors.UnsupportedError: gradient accumulation, EMA or a
+            `LossScaleOptimizer`, which need state the servers do not share.
+    """
+    if getattr(optimizer, "gradient_accumulation_steps", None) or getattr(optimizer, "use_ema", False):
+        raise UnsupportedError(
+            "gradient_accumulation_steps and use_ema are not supported under "
+            "ParameterServerStrategy: the servers apply each push at once and keep no "
+            f"averages. Received: optimizer {optimizer.name!r} with "
+            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps!r}, "
+            f"use_ema={optimizer.use_ema!r}. Remove those settings."
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise UnsupportedError(
+            "LossScaleOptimizer is not supported under ParameterServerStrategy. Received: "
+            f"optimizer {optimizer.name!r}. Keep variables in float32 and use a plain optimizer."
+        )
+    config = keras.optimizers.serialize(optimizer)
+    for key in _WORKER_SIDE_SETTINGS:
+        if key in config["config"]:
+            config["config"][key] = None
+    return config
+
+
+# ----- fit / evaluate / predict / save ----------------------------------------------
+def scoped_call(method, model, name, args, kwargs):
+    """Runs `model.<name>` (already inside the strategy's scope) against the parameter servers."""
+    session = session_of(model)
+    strategy = session.strategy
+    if name in ("fit", "train_on_batch"):
+        session.check_supported()
+        ps_embeddings.enable_row_lookups(model, session, _current_step)
+        try:
+            return method(model, *args, **kwargs)
+        finally:
+            # The servers hold the result; the local copies lag by the last push.
+            # Embedding tables are read whole after fit only, not after each
+            # train_on_batch (that would move the table every step).
+            session.pull(include_row_sparse=name == "fit")
+    if name in ("save", "save_weights"):
+        if not strategy.extended.should_checkpoint:
+            warnings.warn(
+                f"model.{name}() was skipped on this worker: under ParameterServerStrategy only "
+                "the chief writes files (strategy.extended.should_checkpoint is False here).",
+                stacklevel=3,
+            )
+            return None
+        session.read_back()
+        return method(model, *args, **kwargs)
+    if name == "load_weights":
+        result = method(model, *args, **kwargs)
+        session.store.assign(session.entries())
+        return result
+    if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
+        ps_embeddings.enable_row_lookups(model, session, _current_step)
+    return method(model, *args, **kwargs)

@@ -1,0 +1,316 @@
+"""`kdist server`: run one parameter-server task of a cluster until stopped.
+
+`prepare(args)` turns the parsed arguments into a `ServerPlan` (every check
+that can fail before anything starts, so mistakes are usage errors, exit 2);
+`run_server(args, plan)` serves until SIGTERM or SIGINT and exits 0.
+"""
+
+import dataclasses
+import ipaddress
+import os
+import signal
+import sys
+import threading
+
+from kdist.cluster import ClusterSpec, TFConfigClusterResolver
+from kdist.cluster.spec import split_address
+from kdist.cluster.tf_config import TF_CONFIG, load_tf_config
+from kdist.errors import InvalidArgumentError, KdistError
+from kdist.launch.cluster_file import check_task, load_cluster
+
+DEFAULT_STOP_GRACE_SECONDS = 5.0
+# After stop(), the thread watching the server ends within moments; this bounds it.
+JOIN_WATCHER_SECONDS = 5.0
+EXIT_FAILURE = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+SERVER_EPILOG = """\
+examples:
+  # parameter server 0 of the cluster in cluster.json, reachable from other hosts:
+  kdist server --job ps --index 0 --cluster cluster.json --bind 0.0.0.0
+  #   cluster.json: {"worker": ["10.0.0.1:2222"], "ps": ["10.0.0.2:2222"]}
+  #   (or a whole TF_CONFIG object; its "cluster" key is used)
+
+  # the task TF_CONFIG describes, with TLS and a shared token:
+  TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' \\
+    kdist server --bind 0.0.0.0 --token-file token.txt --tls-cert ps.pem --tls-key ps.key
+
+security:
+  Without --bind the server listens on 127.0.0.1 only (this host). The token file
+  holds one line; clients send it with every call (kdist.ps.Security(token=...)) and
+  calls without it are refused. --tls-cert/--tls-key turn TLS on; --tls-ca then
+  also requires client certificates signed by that CA (mutual TLS). Without TLS the
+  token crosses the network in clear text.
+
+output and exit:
+  One line on stdout once serving: "[kdist] serving ps:0 at HOST:PORT (...)".
+  SIGTERM or Ctrl-C stops the server (calls in flight get --grace seconds) and
+  exits 0; a configuration error exits 2, a failure to serve exits 1.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerPlan:
+    """Everything `kdist server` checked before starting: what to serve and how."""
+
+    cluster_spec: ClusterSpec
+    job_name: str
+    task_index: int
+    bind_address: str | None
+    security: object
+    options: object
+
+
+def add_parser(commands, count_type, seconds_type):
+    """Adds the `server` subcommand to the `kdist` subparsers `commands`."""
+    import argparse
+
+    parser = commands.add_parser(
+        "server",
+        help="serve one parameter-server task of a cluster until stopped",
+        description="Serve the variable service of one parameter-server (ps) task of a "
+        "cluster until SIGTERM or Ctrl-C.",
+        epilog=SERVER_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    task = parser.add_argument_group("the task (default: TF_CONFIG's cluster and task)")
+    task.add_argument("--job", metavar="JOB", help="this task's job; only ps is served so far")
+    task.add_argument(
+        "--index", type=count_type(0), metavar="N", help="this task's index in its job"
+    )
+    task.add_argument(
+        "--cluster", metavar="FILE", help="JSON file with a TF_CONFIG cluster, or a whole TF_CONFIG"
+    )
+    task.add_argument(
+        "--bind",
+        metavar="ADDRESS",
+        help="listen on HOST (the task's port) or HOST:PORT, e.g. 0.0.0.0 (default: 127.0.0.1)",
+    )
+    security = parser.add_argument_group("security")
+    security.add_argument("--token-file", metavar="FILE", help="file holding the shared token")
+    security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate of this server")
+    security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    security.add_argument(
+        "--tls-ca", metavar="FILE", help="PEM CA that client certificates must chain to (mTLS)"
+    )
+    service = parser.add_argument_group("service")
+    service.add_argument(
+        "--max-staleness",
+        type=count_type(0),
+        metavar="N",
+        help="reject gradients computed more than N versions ago (default: accept all)",
+    )
+    service.add_argument(
+        "--grace",
+        type=seconds_type,
+        default=DEFAULT_STOP_GRACE_SECONDS,
+        metavar="SECONDS",
+        help="on SIGTERM/Ctrl-C, how long calls in flight may finish "
+        f"(default: {DEFAULT_STOP_GRACE_SECONDS:g})",
+    )
+    return parser
+
+
+def prepare(args, environ=None):
+    """Checks the arguments of `kdist server`; returns a `ServerPlan`.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a missing or malformed cluster or
+            task, unreadable security files, or a job that is not served.
+    """
+    cluster_spec, job_name, task_index = _task(args, environ)
+    if job_name != "ps":
+        raise InvalidArgumentError(
+            f"kdist server serves parameter-server tasks only. Received: --job {job_name}. "
+            "Expected ps; workers and the chief need no server yet (they are the parameter "
+            "servers' clients); the worker server comes with the ClusterCoordinator."
+        )
+    from kdist.distribute.server import resolve_bind_address
+    from kdist.ps.security import Security, load_token
+
+    task_address = cluster_spec.task_address(job_name, task_index)
+    _, port = split_address(task_address, f"cluster[{job_name!r}][{task_index}]", True)
+    resolve_bind_address(args.bind, port)  # Fails here (exit 2) rather than at start.
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InvalidArgumentError(
+            "--tls-cert and --tls-key go together. Received: "
+            f"--tls-cert {args.tls_cert}, --tls-key {args.tls_key}."
+        )
+    if args.tls_ca is not None and args.tls_cert is None:
+        raise InvalidArgumentError(
+            "--tls-ca requires client certificates (mutual TLS), which needs the server's own "
+            f"--tls-cert and --tls-key. Received: --tls-ca {args.tls_ca} alone."
+        )
+    security = Security(
+        token=None if args.token_file is None else load_token(args.token_file),
+        certificate_file=args.tls_cert,
+        private_key_file=args.tls_key,
+        ca_file=args.tls_ca,
+    )
+    options = None
+    if args.max_staleness is not None:
+        from kdist.ps import ServiceOptions
+
+        options = ServiceOptions(max_staleness=args.max_staleness)
+    return ServerPlan(cluster_spec, job_name, task_index, args.bind, security, options)
+
+
+def run_server(args, plan):
+    """Serves `plan` until SIGTERM/SIGINT; returns the exit code (0 after a signal)."""
+    from kdist.distribute.server import Server
+
+    name = f"{plan.job_name}:{plan.task_index}"
+    with _StopSignals() as stop:
+        try:
+            server = Server(
+                plan.cluster_spec,
+                plan.job_name,
+                plan.task_index,
+                bind_address=plan.bind_address,
+                options=plan.options,
+                security=plan.security,
+            )
+        except (KdistError, OSError, RuntimeError) as error:
+            _say(f"{name} could not start serving: {error}", sys.stderr)
+            return EXIT_FAILURE
+        # The server stopping by itself (it should not) ends the wait as a signal would.
+        def watch():
+            server.join()
+            stop.wake()
+
+        watcher = threading.Thread(target=watch, name="kdist-server-watch", daemon=True)
+        watcher.start()
+        try:
+            for warning in _exposure_warnings(plan, server):
+                _say(warning, sys.stderr)
+            serving = f"serving {name} at {server.bind_address} ({_describe(plan.security)})"
+            _say(serving, sys.stdout)
+            stop.wait()
+        finally:
+            server.stop(args.grace)
+            # After stop() the watcher's join returns at once; it must be gone
+            # before the wake-up pipe closes.
+            watcher.join(args.grace + JOIN_WATCHER_SECONDS)
+    if stop.received is None:
+        _say(f"{name} stopped serving unexpectedly", sys.stderr)
+        return EXIT_FAILURE
+    _say(f"{name} stopped ({signal.Signals(stop.received).name})", sys.stderr)
+    return 0
+
+
+class _StopSignals:
+    """Lets the main thread sleep until SIGINT/SIGTERM (or `wake()`), without polling.
+
+    The handlers only record the signal: the C-level handler writes to a pipe
+    (`signal.set_wakeup_fd`) that `wait()` reads. Handlers that took a lock
+    (`threading.Event.set`) could deadlock against the interrupted main thread.
+    Outside the main thread no handler can be installed; then only `wake()` ends
+    the wait. Previous handlers are restored on exit.
+    """
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+        self._previous_wakeup_fd = None
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous_wakeup_fd = signal.set_wakeup_fd(
+                self._write_fd, warn_on_full_buffer=False
+            )
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._previous_wakeup_fd is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+
+    def wake(self):
+        """Ends `wait()` from any thread."""
+        try:
+            os.write(self._write_fd, b"\0")
+        except BlockingIOError:
+            pass  # The pipe is full: wait() will return anyway.
+
+    def wait(self):
+        """Blocks until a stop signal arrived or `wake()` was called."""
+        # The wake-up byte of a signal is its number; wake() writes 0. Reading
+        # it here records the signal even before the Python handler has run.
+        # Other signals with Python handlers write their numbers too; they do not stop.
+        while True:
+            data = os.read(self._read_fd, 1)
+            if not data or data[0] == 0:
+                return
+            if data[0] in STOP_SIGNALS:
+                if self.received is None:
+                    self.received = data[0]
+                return
+
+
+def _task(args, environ):
+    if args.cluster is not None:
+        if args.job is None or args.index is None:
+            raise InvalidArgumentError(
+                "With --cluster, name this task with --job and --index. Received: "
+                f"--job {args.job}, --index {args.index}. Expected e.g. --job ps --index 0."
+            )
+        cluster = load_cluster(args.cluster)
+        check_task(cluster, args.job, args.index)
+        return ClusterSpec(cluster), args.job, args.index
+    config = load_tf_config(None if environ is None else environ.get(TF_CONFIG, ""))
+    if not config.get("cluster"):
+        raise InvalidArgumentError(
+            "No cluster: pass --cluster FILE (with --job and --index), or set TF_CONFIG. "
+            "Received: no --cluster, and TF_CONFIG has no cluster."
+        )
+    resolver = TFConfigClusterResolver(task_type=args.job, task_id=args.index, tf_config=config)
+    return resolver.cluster_spec(), resolver.task_type, resolver.task_id
+
+
+def _exposure_warnings(plan, server):
+    host = server.bind_address.rpartition(":")[0].strip("[]")
+    task_host = plan.cluster_spec.task_address(plan.job_name, plan.task_index)
+    task_host = task_host.rpartition(":")[0].strip("[]")
+    if _is_loopback(host):
+        if not _is_loopback(task_host):
+            yield (
+                f"listening on {host} only, but the cluster names this task {task_host}: other "
+                "hosts cannot connect; pass --bind 0.0.0.0 to accept them"
+            )
+        return
+    if plan.security.token is None:
+        yield f"listening on {host} without a token: anyone who can reach it can change variables"
+    if not plan.security.server_tls:
+        yield f"listening on {host} without TLS: traffic (and any token) is not encrypted"
+
+
+def _is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _describe(security):
+    tls = "TLS off"
+    if security.server_tls:
+        tls = "mutual TLS" if security.ca_file is not None else "TLS"
+    return f"{tls}, token {'on' if security.token is not None else 'off'}"
+
+
+def _say(message, stream):
+    print(f"[kdist] {message}", file=stream, flush=True)

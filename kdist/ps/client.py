@@ -1,0 +1,397 @@
+"""`VariableClient`: the worker's and coordinator's end of the variable service."""
+
+import json
+
+import grpc
+import numpy as np
+
+from kdist.cluster.spec import parse_address
+from kdist.errors import InvalidArgumentError
+from kdist.ps import codec
+from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.methods import METHODS, SERVICE_NAME
+from kdist.ps.optimizer_host import canonical_config
+from kdist.ps.options import ServiceOptions
+from kdist.ps.security import Security
+from kdist.ps.status import client_error
+from kdist.ps.values import (
+    Assignment,
+    DenseGradient,
+    OptimizerState,
+    PushResult,
+    RowGradient,
+    ServerStats,
+    StalenessStats,
+    VariableState,
+    VariableStats,
+    check_name,
+)
+
+# gRPC retries a call that failed with UNAVAILABLE (server restarting, connection
+# refused or reset) this many times in all, backing off 0.1 s, 0.2 s, ... up to
+# 1 s: about 1.5 s in total, then the client raises
+# ParameterServerUnavailableError. Only calls whose request fits gRPC's retry
+# buffer (256 KiB) are retried after their first message was sent.
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+# (initial, max) milliseconds between reconnection attempts of the channel.
+RECONNECT_BACKOFF_MS = (100, 1000)
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": RETRY_POLICY}]
+})
+
+
+class VariableClient:
+    """A client of one variable-service server. Thread-safe; one gRPC channel.
+
+    Every method is one RPC. Tensors may be NumPy arrays or torch CPU tensors
+    and must not change during the call; returned tensors are writable,
+    C-contiguous NumPy arrays. Until a call has succeeded once, calls wait up
+    to `connect_timeout_seconds` for the server to come up.
+
+    Args:
+        address: the server's `"host:port"`.
+        options: `ServiceOptions` (chunk size, message limit, deadlines).
+        security: `Security` (TLS, token) or None.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a malformed address or option.
+        kdist.errors.ParameterServerUnavailableError: (from calls; retryable)
+            the server cannot be reached within the deadline.
+        kdist.errors.ParameterServerError: (from calls) the server refused the
+            request; `code_name` says why (`UnauthenticatedError` for a
+            missing or wrong token).
+
+    Example:
+
+    >>> with VariableClient(server.address) as client:  # doctest: +SKIP
+    ...     client.create([VariableInit("w", np.zeros(3, "float32"))])
+    ...     client.configure_optimizer(keras.optimizers.serialize(keras.optimizers.SGD(0.1)), ["w"])
+    ...     client.push([DenseGradient("w", np.ones(3, "float32"), version=0)])
+    ...     [state] = client.pull(["w"])
+    """
+
+    def __init__(self, address, *, options=None, security=None):
+        parse_address(address)
+        self.address = address
+        self.options = ServiceOptions() if options is None else options
+        security = Security() if security is None else security
+        channel_options = self.options.grpc_options() + [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", _SERVICE_CONFIG),
+            # Loopback and cluster addresses must not go through an HTTP proxy
+            # that happens to be set in the environment.
+            ("grpc.enable_http_proxy", 0),
+            # A restarted parameter server is reconnected to within a second,
+            # inside the retry policy's window, instead of gRPC's default 1-120 s.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+        ] + list(security.channel_options())
+        credentials = security.channel_credentials()
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=channel_options)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=channel_options)
+        self._metadata = tuple(security.call_metadata())
+        self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}
+        self._connected = False  # set by the first call that succeeds
+
+    # -- Calls ----------------------------------------------------------------------
+
+    def _call(self, name, request, read=None, timeout=None, wait_for_ready=None):
+        deadline = self.options.rpc_timeout_seconds if timeout is None else timeout
+        if wait_for_ready is None and not self._connected:
+            wait_for_ready = True
+            deadline += self.options.connect_timeout_seconds
+        try:
+            response = self._calls[name](request, timeout=deadline, metadata=self._metadata,
+                                         wait_for_ready=wait_for_ready)
+            result = response if read is None else read(response)
+        except grpc.RpcError as error:
+            raise client_error(error, self.address, deadline) from None
+        self._connected = True
+        return result
+
+    def _stream(self, header, arrays):
+        return codec.encode_stream(header, [codec.byte_view(array) for array in arrays],
+                                   self.options.chunk_bytes)
+
+    # -- Variables ----------------------------------------------------------------------
+
+    def create(self, items):
+        """Creates variables; existing ones keep their value (the first creator wins).
+
+        Args:
+            items: `VariableInit`s with distinct names.
+
+        Returns:
+            One `VariableState` per item, in order, with the server's value
+            (this caller's own for the variables it created) and version.
+
+        Raises:
+            kdist.errors.ParameterServerError: `INVALID_ARGUMENT` when a variable
+                exists with another shape, dtype or trainable flag.
+        """
+        arrays = [codec.as_array(item.value, f"the value of {item.name!r}") for item in items]
+        header = pb.CreateHeader(items=[
+            pb.CreateItem(name=item.name, value=codec.tensor_meta(array), trainable=item.trainable)
+            for item, array in zip(items, arrays)
+        ])
+
+        def read(frames):
+            response, values = codec.read_stream(frames, _variables_layout, "create response")
+            values = iter(values)
+            return [
+                VariableState(meta.name, next(values) if meta.has_value else array.copy(),
+                              meta.version)
+                for meta, array in zip(response.variables, arrays)
+            ]
+
+        return self._call("Create", self._stream(header, arrays), read)
+
+    def pull(self, names, known_versions=None):
+        """Returns the `VariableState` of each name; value None when its version is known.
+
+        Args:
+            names: variable names.
+            known_versions: name -> the version the caller holds; values of
+                unchanged variables are not sent.
+
+        Raises:
+            kdist.errors.ParameterServerError: `NOT_FOUND` for an unknown name.
+        """
+        names = list(names)
+        for name in names:
+            check_name(name)
+        request = pb.PullRequest(names=names, known_versions=dict(known_versions or {}))
+
+        def read(frames):
+            response, values = codec.read_stream(frames, _variables_layout, "pull response")
+            values = iter(values)
+            return [VariableState(meta.name, next(values) if meta.has_value else None,
+                                  meta.version) for meta in response.variables]
+
+        return self._call("Pull", request, read)
+
+    def push(self, gradients, assignments=()):
+        """Applies gradients with the server's optimizer, then assignments.
+
+        Each gradient is applied atomically under its variable's lock. The whole
+        request is validated before anything is applied.
+
+        Args:
+            gradients: `DenseGradient`s and `RowGradient`s, one per variable.
+            assignments: `Assignment`s (new values) applied after the gradients.
+
+        Returns:
+            A `PushResult`.
+
+        Raises:
+            kdist.errors.ParameterServerError: `NOT_FOUND` (unknown variable),
+                `INVALID_ARGUMENT` (shape, dtype, row id, non-trainable target,
+                a variable twice), `FAILED_PRECONDITION` (no optimizer).
+        """
+        metas, arrays = [], []
+        for gradient in gradients:
+            meta, payload = _gradient_payload(gradient)
+            metas.append(meta)
+            arrays.extend(payload)
+        assignment_metas, assignment_arrays = _assignment_payload(assignments)
+        header = pb.PushHeader(gradients=metas, assignments=assignment_metas)
+        response = self._call("Push", self._stream(header, arrays + assignment_arrays))
+        return PushResult(dict(response.versions), tuple(response.rejected),
+                          dict(response.staleness))
+
+    def assign(self, assignments):
+        """Replaces variables' values; returns name -> new version.
+
+        Raises:
+            kdist.errors.ParameterServerError: `NOT_FOUND` or `INVALID_ARGUMENT`.
+        """
+        metas, arrays = _assignment_payload(assignments)
+        header = pb.PushHeader(assignments=metas)
+        return dict(self._call("Assign", self._stream(header, arrays)).versions)
+
+    def lookup(self, requests):
+        """Gathers rows (axis 0) of variables in one call.
+
+        Args:
+            requests: `(name, ids)` pairs; ids are integers of any shape.
+
+        Returns:
+            One `(rows, version)` per request: rows have shape
+            `ids.shape + variable.shape[1:]`.
+
+        Raises:
+            kdist.errors.ParameterServerError: `NOT_FOUND`, or
+                `INVALID_ARGUMENT` for ids out of range.
+        """
+        items, arrays = [], []
+        for name, ids in requests:
+            check_name(name)
+            ids = _ids_array(ids, f"lookup ids of {name!r}")
+            items.append(pb.LookupItem(name=name, ids=codec.tensor_meta(ids)))
+            arrays.append(ids)
+
+        def read(frames):
+            response, rows = codec.read_stream(
+                frames, lambda header: [codec.parse_meta(result.rows, "rows")
+                                        for result in header.results], "lookup response")
+            return [(value, result.version) for value, result in zip(rows, response.results)]
+
+        return self._call("Lookup", self._stream(pb.LookupHeader(items=items), arrays), read)
+
+    # -- Optimizers ------------------------------------------------------------------------
+
+    def configure_optimizer(self, config, names):
+        """Gives each named variable its own server-side optimizer built from `config`.
+
+        Args:
+            config: `keras.optimizers.serialize(optimizer)`.
+            names: trainable variables. Configuring a variable again with the
+                same config does nothing.
+
+        Raises:
+            kdist.errors.ParameterServerError: `FAILED_PRECONDITION` when a
+                variable already has another config; `INVALID_ARGUMENT` for a
+                config Keras cannot rebuild.
+        """
+        names = list(names)
+        for name in names:
+            check_name(name)
+        request = pb.ConfigureOptimizerRequest(config_json=canonical_config(config), names=names)
+        self._call("ConfigureOptimizer", request)
+
+    def optimizer_state(self, names):
+        """Returns name -> `OptimizerState` (iterations and slots in creation order)."""
+        names = list(names)
+
+        def read(frames):
+            response, values = codec.read_stream(
+                frames, lambda header: [codec.parse_meta(slot.value, "slot")
+                                        for state in header.states for slot in state.slots],
+                "optimizer state response")
+            values = iter(values)
+            return {
+                state.name: OptimizerState(state.iterations,
+                                           {slot.name: next(values) for slot in state.slots})
+                for state in response.states
+            }
+
+        return self._call("OptimizerState", pb.OptimizerStateRequest(names=names), read)
+
+    # -- Checkpoints, counters, health -----------------------------------------------------
+
+    def save(self, directory):
+        """Saves every variable to `directory` on the server's file system (atomic)."""
+        self._call("Save", pb.CheckpointRequest(directory=str(directory)))
+
+    def restore(self, directory):
+        """Restores the variables saved in `directory` on the server (all-or-nothing)."""
+        self._call("Restore", pb.CheckpointRequest(directory=str(directory)))
+
+    def stats(self):
+        """Returns the server's `ServerStats`."""
+        response = self._call("Stats", pb.StatsRequest())
+        return ServerStats(
+            variables={
+                item.name: VariableStats(item.version, item.applied_updates,
+                                         item.rejected_updates, tuple(item.shape), item.dtype,
+                                         item.num_bytes)
+                for item in response.variables
+            },
+            requests=dict(response.requests),
+            bytes_received=response.bytes_received,
+            bytes_sent=response.bytes_sent,
+            applied_pushes=response.applied_pushes,
+            staleness=StalenessStats.from_histogram(dict(response.staleness_histogram)),
+        )
+
+    def health(self, timeout=None):
+        """Returns the server's health: `{"status", "num_variables", "uptime_seconds", "pid"}`.
+
+        Does not wait for a server that is not up yet (see `wait_until_ready`).
+        """
+        response = self._call("Health", pb.HealthRequest(), timeout=timeout,
+                              wait_for_ready=False)
+        return {"status": response.status, "num_variables": response.num_variables,
+                "uptime_seconds": response.uptime_seconds, "pid": response.pid}
+
+    def wait_until_ready(self, timeout):
+        """Waits until the server answers; returns its `health()`.
+
+        Raises:
+            kdist.errors.ParameterServerUnavailableError: not up within `timeout`.
+        """
+        response = self._call("Health", pb.HealthRequest(), timeout=timeout, wait_for_ready=True)
+        return {"status": response.status, "num_variables": response.num_variables,
+                "uptime_seconds": response.uptime_seconds, "pid": response.pid}
+
+    def close(self):
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self):
+        return f"VariableClient(address={self.address!r})"
+
+
+def _variables_layout(header):
+    return [codec.parse_meta(meta.value, f"variable {meta.name!r}")
+            for meta in header.variables if meta.has_value]
+
+
+def _ids_array(ids, what):
+    ids = codec.as_array(ids, what)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidArgumentError(f"{what} must be integers. Received: dtype={ids.dtype}.")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _gradient_payload(gradient):
+    if isinstance(gradient, DenseGradient):
+        array = codec.as_array(gradient.gradient, f"the gradient of {gradient.name!r}")
+        meta = pb.GradientMeta(name=gradient.name, kind=pb.DENSE,
+                               values=codec.tensor_meta(array), version=gradient.version)
+        return meta, [array]
+    if isinstance(gradient, RowGradient):
+        what = f"the row gradient of {gradient.name!r}"
+        ids = _ids_array(gradient.row_ids, f"row ids of {gradient.name!r}")
+        rows = codec.as_array(gradient.rows, what)
+        if rows.shape[:ids.ndim] != ids.shape:
+            raise InvalidArgumentError(
+                f"{what}: rows must have shape row_ids.shape + row shape. Received: "
+                f"row_ids.shape={ids.shape}, rows.shape={rows.shape}."
+            )
+        rows = rows.reshape((ids.size,) + rows.shape[ids.ndim:])
+        ids = ids.reshape(-1)
+        meta = pb.GradientMeta(name=gradient.name, kind=pb.ROWS, values=codec.tensor_meta(rows),
+                               num_row_ids=ids.size, version=gradient.version)
+        return meta, [ids, rows]
+    raise InvalidArgumentError(
+        f"push() takes DenseGradient and RowGradient values. Received: {type(gradient).__name__}."
+    )
+
+
+def _assignment_payload(assignments):
+    metas, arrays = [], []
+    for assignment in assignments:
+        if not isinstance(assignment, Assignment):
+            raise InvalidArgumentError(
+                f"Expected Assignment values. Received: {type(assignment).__name__}."
+            )
+        array = codec.as_array(assignment.value, f"the value assigned to {assignment.name!r}")
+        metas.append(pb.AssignmentMeta(name=assignment.name, value=codec.tensor_meta(array)))
+        arrays.append(array)
+    return metas, arrays

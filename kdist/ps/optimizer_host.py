@@ -1,0 +1,178 @@
+"""Server-side update rules: one Keras optimizer per variable.
+
+The coordinator sends `keras.optimizers.serialize(optimizer)`; the server
+rebuilds it with `keras.optimizers.deserialize`, one instance per variable, so
+that the variable's lock is the only lock an update needs and the optimizer's
+slots live next to their variable. `optimizer.apply([gradient], [variable])`
+then runs exactly the code single-device Keras runs.
+
+Slots are recorded by wrapping `add_variable_from_reference` on the instance:
+Keras calls it once per slot with the slot's name ("momentum", "velocity",
+...), in a fixed order.
+"""
+
+import json
+
+import keras
+
+from kdist.errors import InvalidArgumentError
+from kdist.ps import codec
+
+
+def canonical_config(config):
+    """Returns the optimizer config as canonical JSON (sorted keys) for comparisons.
+
+    The optimizer's `name` is dropped: Keras numbers default names ("sgd_3"),
+    so two workers' identical optimizers differ only there, and the name does
+    not change an update.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: `config` is not a JSON-able dict.
+    """
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except (ValueError, RecursionError) as error:
+            raise InvalidArgumentError(
+                f"The optimizer config is not valid JSON: {error}. Expected the JSON of "
+                "keras.optimizers.serialize(optimizer)."
+            ) from None
+    if not isinstance(config, dict):
+        raise InvalidArgumentError(
+            "The optimizer config must be the dict keras.optimizers.serialize(optimizer) "
+            f"returns. Received: {type(config).__name__}."
+        )
+    if isinstance(config.get("config"), dict):
+        config = {**config, "config": {key: value for key, value in config["config"].items()
+                                       if key != "name"}}
+    try:
+        return json.dumps(config, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise InvalidArgumentError(
+            f"The optimizer config is not JSON-able: {error}. Pass "
+            "keras.optimizers.serialize(optimizer) of an optimizer whose learning rate "
+            "schedule and arguments serialize."
+        ) from None
+
+
+def deserialize_optimizer(config_json):
+    """Builds a fresh optimizer instance from canonical config JSON.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: Keras cannot rebuild it, it is not
+            an optimizer, or it uses `global_clipnorm`, which needs every
+            gradient of a step at once (updates here are per variable).
+    """
+    try:
+        optimizer = keras.optimizers.deserialize(json.loads(config_json))
+    except Exception as error:  # Keras raises many types for bad configs.
+        raise InvalidArgumentError(
+            f"keras.optimizers.deserialize cannot rebuild the optimizer config: "
+            f"{type(error).__name__}: {error}. Received: config={config_json[:200]}."
+        ) from None
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise InvalidArgumentError(
+            f"The config does not describe a Keras optimizer. Received: "
+            f"{type(optimizer).__name__}."
+        )
+    if getattr(optimizer, "global_clipnorm", None):
+        raise InvalidArgumentError(
+            "global_clipnorm needs every gradient of a step at once, but a parameter "
+            "server applies updates per variable. Received: global_clipnorm="
+            f"{optimizer.global_clipnorm}. Use clipnorm (per variable) or clip on the worker."
+        )
+    return optimizer
+
+
+class VariableOptimizer:
+    """One Keras optimizer built on one variable.
+
+    Not thread-safe: the owner holds the variable's lock around every call.
+
+    Args:
+        config_json: canonical JSON of `keras.optimizers.serialize(optimizer)`.
+        variable: the server's `keras.Variable`.
+
+    Example:
+
+    >>> host = VariableOptimizer(canonical_config(keras.optimizers.serialize(
+    ...     keras.optimizers.SGD(0.1))), keras.Variable([1.0]))  # doctest: +SKIP
+    """
+
+    def __init__(self, config_json, variable):
+        self.config_json = config_json
+        self.variable = variable
+        self.optimizer = deserialize_optimizer(config_json)
+        self.slot_names = []
+        self.slots = []
+        original = self.optimizer.add_variable_from_reference
+
+        def record_slot(reference_variable, name=None, *args, **kwargs):
+            slot = original(reference_variable, name, *args, **kwargs)
+            self.slot_names.append(_unique(name or "var", self.slot_names))
+            self.slots.append(slot)
+            return slot
+
+        self.optimizer.add_variable_from_reference = record_slot
+        with keras.device("cpu"):
+            self.optimizer.build([variable])
+
+    def apply(self, gradient):
+        """Applies the torch `gradient` (shaped like the variable) to the variable."""
+        with keras.device("cpu"):
+            self.optimizer.apply([gradient], [self.variable])
+
+    @property
+    def iterations(self):
+        """Updates applied so far (the optimizer's `iterations`)."""
+        return int(self.optimizer.iterations.numpy())
+
+    def state(self):
+        """Returns `(iterations, [(slot name, NumPy copy)])` in creation order."""
+        return self.iterations, [
+            (name, codec.from_torch(slot.value).copy())
+            for name, slot in zip(self.slot_names, self.slots)
+        ]
+
+    def load_state(self, iterations, slots):
+        """Sets iterations and slot values (a dict name -> array, every slot present).
+
+        Raises:
+            kdist.errors.InvalidArgumentError: a slot is missing, unknown, or has
+                the wrong shape or dtype.
+        """
+        if list(slots) != self.slot_names:
+            raise InvalidArgumentError(
+                f"The optimizer of {self.variable.name!r} has slots {self.slot_names}. "
+                f"Received: {list(slots)}."
+            )
+        for name, slot in zip(self.slot_names, self.slots):
+            value = slots[name]
+            expected = (tuple(slot.shape), codec.from_torch(slot.value).dtype)
+            if (value.shape, value.dtype) != expected:
+                raise InvalidArgumentError(
+                    f"Slot {name!r} must have shape {expected[0]} and dtype {expected[1]}. "
+                    f"Received: shape={value.shape}, dtype={value.dtype}."
+                )
+        self.optimizer.iterations.assign(iterations)
+        for name, slot in zip(self.slot_names, self.slots):
+            slot.assign(codec.to_torch(slots[name]))
+
+
+def _unique(name, taken):
+    candidate, suffix = name, 1
+    while candidate in taken:
+        candidate, suffix = f"{name}_{suffix}", suffix + 1
+    return candidate
+
+
+def config_differences(old_json, new_json):
+    """Returns `{key: (old, new)}` for the optimizer arguments that differ."""
+    old, new = json.loads(old_json), json.loads(new_json)
+    old_arguments = {"class_name": old.get("class_name"), **(old.get("config") or {})}
+    new_arguments = {"class_name": new.get("class_name"), **(new.get("config") or {})}
+    return {
+        key: (old_arguments.get(key), new_arguments.get(key))
+        for key in sorted(set(old_arguments) | set(new_arguments))
+        if old_arguments.get(key) != new_arguments.get(key)
+    }

@@ -1,0 +1,145 @@
+"""`create_server` and `VariableServer`: a running variable-service gRPC server."""
+
+from concurrent import futures
+
+import grpc
+
+from kdist.cluster.spec import format_address
+from kdist.errors import InvalidArgumentError
+from kdist.ps.options import ServiceOptions
+from kdist.ps.security import Security
+from kdist.ps.servicer import VariableServicer
+from kdist.ps.store import VariableStore
+
+# How long `stop()` lets calls in flight finish when no grace is given.
+DEFAULT_STOP_GRACE_SECONDS = 5.0
+# `stop()` waits at most this long past the grace period for gRPC to shut down.
+_STOP_MARGIN_SECONDS = 10.0
+
+
+class VariableServer:
+    """A started variable-service server. Thread-safe. Use `create_server` to make one.
+
+    Attributes:
+        port: the bound port (the real one when created with port 0).
+        address: `"host:port"` with the bound port.
+        store: the `kdist.ps.store.VariableStore` it serves.
+    """
+
+    def __init__(self, server, servicer, host, port):
+        self._server = server
+        self._servicer = servicer
+        self.store = servicer.store
+        self.port = port
+        self.address = format_address(host, port)
+
+    def stats(self):
+        """Returns this server's `ServerStats` without an RPC."""
+        return self.store.stats()
+
+    def stop(self, grace=None):
+        """Stops serving and waits until the server has shut down.
+
+        Args:
+            grace: seconds that calls in flight may take to finish; new calls
+                are refused at once. None: `DEFAULT_STOP_GRACE_SECONDS`; 0:
+                cancel them now.
+
+        Returns:
+            True when the server shut down within `grace` plus a margin.
+        """
+        grace = DEFAULT_STOP_GRACE_SECONDS if grace is None else grace
+        stopped = self._server.stop(grace)
+        return stopped.wait(grace + _STOP_MARGIN_SECONDS)
+
+    def wait(self, timeout=None):
+        """Blocks until the server stops or `timeout` seconds pass; returns True if stopped."""
+        # grpc returns True when the timeout passed first.
+        return not self._server.wait_for_termination(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.stop(0)
+
+    def __repr__(self):
+        return f"VariableServer(address={self.address!r})"
+
+
+def create_server(address="127.0.0.1:0", *, options=None, security=None):
+    """Creates, binds and starts a variable-service server.
+
+    Args:
+        address: `"host:port"` to bind, exactly as given; port 0 picks a free
+            port (read it from `server.port`). Defaults to loopback.
+        options: `ServiceOptions` (chunk size, message limit, staleness bound,
+            threads). Defaults to `ServiceOptions()`.
+        security: `Security` (TLS, token) or None for plain text without a token.
+
+    Returns:
+        The started `VariableServer`.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a malformed address, one that cannot
+            be bound (in use, not local), or wrong option types.
+
+    Example:
+
+    >>> server = create_server()  # doctest: +SKIP
+    >>> client = VariableClient(server.address)  # doctest: +SKIP
+    """
+    options = ServiceOptions() if options is None else options
+    security = Security() if security is None else security
+    if not isinstance(options, ServiceOptions):
+        raise InvalidArgumentError(
+            f"options must be a ServiceOptions. Received: {type(options).__name__}."
+        )
+    if not isinstance(security, Security):
+        raise InvalidArgumentError(
+            f"security must be a Security. Received: {type(security).__name__}."
+        )
+    host = _bind_host(address)
+    store = VariableStore(max_staleness=options.max_staleness)
+    servicer = VariableServicer(store, options.chunk_bytes)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=options.max_workers,
+                                   thread_name_prefix="kdist-ps"),
+        handlers=[servicer.handlers()],
+        interceptors=security.server_interceptors(),
+        # Without SO_REUSEPORT a second server on a taken port fails to bind
+        # instead of silently sharing the port with the first.
+        options=options.grpc_options() + [("grpc.so_reuseport", 0)],
+    )
+    credentials = security.server_credentials()
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as error:
+        raise InvalidArgumentError(
+            f"Cannot bind the parameter server to {address!r}: {error}. Use a free port "
+            "(0 picks one) on an address of this machine."
+        ) from None
+    if not port:
+        raise InvalidArgumentError(
+            f"Cannot bind the parameter server to {address!r}. Use a free port (0 picks one) "
+            "on an address of this machine."
+        )
+    server.start()
+    return VariableServer(server, servicer, host, port)
+
+
+def _bind_host(address):
+    # Like kdist.cluster.parse_address, but port 0 ("any free port") is allowed.
+    host, separator, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not (separator and host and port.isdigit() and int(port) <= 65535
+            and (bracketed or ":" not in host)):
+        raise InvalidArgumentError(
+            "A server address must be 'host:port' with a port in 0..65535 (0: any free "
+            f"port); IPv6 hosts in brackets. Received: address={address!r}."
+        )
+    return host

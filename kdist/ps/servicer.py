@@ -1,0 +1,262 @@
+"""The gRPC servicer: decodes requests, calls the store, encodes responses.
+
+Every method runs inside `_serve`, the one place where domain errors become
+status codes (`kdist.ps.status.status_code`) and where requests are counted.
+A request is validated in full — header first, before its payload is stored,
+then its content — before anything changes; a failed request changes nothing
+and the server keeps serving.
+"""
+
+import itertools
+import logging
+import os
+import time
+
+import grpc
+import numpy as np
+
+from kdist.errors import InvalidArgumentError
+from kdist.ps import checkpoint, codec
+from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.methods import METHODS, SERVICE_NAME
+from kdist.ps.status import FailedPreconditionError, status_code
+from kdist.ps.store import GradientSpec
+from kdist.ps.variable_entry import locked
+from kdist.ps.values import check_name
+
+logger = logging.getLogger(__name__)
+
+
+class VariableServicer:
+    """Serves one `VariableStore`. Thread-safe (the store is).
+
+    Args:
+        store: the `kdist.ps.store.VariableStore`.
+        chunk_bytes: payload bytes per response message.
+    """
+
+    def __init__(self, store, chunk_bytes):
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+        self.started = time.monotonic()
+
+    def handlers(self):
+        """Returns the `grpc.GenericRpcHandler` of every method."""
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            name: method.handler(self._serve(method.key, getattr(self, method.key)))
+            for name, method in METHODS.items()
+        })
+
+    def _serve(self, key, behavior):
+        def serve(request, context):
+            self.store.count_request(key)
+            try:
+                result = behavior(request)
+                # Everything that can fail runs inside the try, so errors map to
+                # statuses: streamed responses are either built in full (a list,
+                # which gRPC wants as an iterator) or, for variable values, only
+                # sliced into messages after the try (_variables_response).
+                return iter(result) if isinstance(result, list) else result
+            except Exception as error:  # noqa: BLE001 — mapped to a status, never fatal
+                code = status_code(error)
+                if code == grpc.StatusCode.INTERNAL:
+                    logger.exception("%s failed unexpectedly", key)
+                context.abort(code, f"{type(error).__name__}: {error}")
+
+        return serve
+
+    # -- Variables ----------------------------------------------------------------
+
+    def create(self, frames):
+        header, arrays = codec.read_stream(frames, self._create_layout, "create")
+        self.store.count_bytes(received=sum(array.nbytes for array in arrays))
+        results = self.store.create([
+            (item.name, array, item.trainable) for item, array in zip(header.items, arrays)
+        ])
+        created = {entry.name for entry, was_created in results if was_created}
+        return self._variables_response(
+            [entry for entry, _ in results], lambda entry: entry.name not in created
+        )
+
+    @staticmethod
+    def _create_layout(header):
+        names = [item.name for item in header.items]
+        for name in names:
+            check_name(name)
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(
+                f"A create request names each variable once. Received: {names}."
+            )
+        return [codec.parse_meta(item.value, f"variable {item.name!r}") for item in header.items]
+
+    def pull(self, request):
+        known = dict(request.known_versions)
+        entries = self.store.entries(list(request.names))
+        return self._variables_response(
+            entries, lambda entry: known.get(entry.name) != entry.version
+        )
+
+    def _variables_response(self, entries, send_value):
+        # Under the locks: a consistent set of versions and values. The values
+        # are shared, not copied (see VariableEntry.share), and copied once,
+        # into the messages, while gRPC sends the previous ones.
+        with locked(entries):
+            sends = [send_value(entry) for entry in entries]
+            header = pb.VariablesHeader(variables=[
+                pb.VariableMeta(name=entry.name, value=codec.tensor_meta(entry.array),
+                                version=entry.version, has_value=send,
+                                trainable=entry.trainable)
+                for entry, send in zip(entries, sends)
+            ])
+            shared = [(entry, *entry.share()) for entry, send in zip(entries, sends) if send]
+        self.store.count_bytes(sent=sum(array.nbytes for _, _, array in shared))
+        stream = self._stream_shared(header, shared)
+        # Started here, so that its `finally` (which ends the shares) runs even
+        # when gRPC drops the stream before reading it.
+        return itertools.chain([next(stream)], stream)
+
+    def _stream_shared(self, header, shared):
+        try:
+            yield from codec.encode_stream(
+                header, [codec.byte_view(array) for _, _, array in shared], self.chunk_bytes)
+        finally:
+            for entry, token, _ in shared:
+                entry.release(token)
+
+    # -- Updates ------------------------------------------------------------------
+
+    def push(self, frames, gradients_allowed=True):
+        plans = []
+
+        def layout(header):
+            if header.gradients and not gradients_allowed:
+                raise InvalidArgumentError(
+                    "An assign request carries no gradients. Received: "
+                    f"{len(header.gradients)} gradient(s); push them instead."
+                )
+            plans.append(self.store.plan_push(
+                [_gradient_spec(meta) for meta in header.gradients],
+                [(meta.name, *codec.parse_meta(meta.value, f"assignment to {meta.name!r}"))
+                 for meta in header.assignments],
+            ))
+            return plans[0].layout
+
+        _, arrays = codec.read_stream(frames, layout, "push")
+        self.store.count_bytes(received=sum(array.nbytes for array in arrays))
+        versions, rejected, staleness = self.store.apply_push(
+            plans[0], arrays, count_push=gradients_allowed)
+        return pb.PushResponse(versions=versions, rejected=rejected, staleness=staleness)
+
+    def assign(self, frames):
+        return self.push(frames, gradients_allowed=False)
+
+    def lookup(self, frames):
+        entries = []
+
+        def layout(header):
+            entries.extend(self.store.entries([item.name for item in header.items]))
+            shapes = []
+            for item, entry in zip(header.items, entries):
+                dtype, shape = codec.parse_meta(item.ids, f"ids of {item.name!r}")
+                if dtype != np.int64 or not entry.shape:
+                    raise InvalidArgumentError(
+                        f"Lookup ids must be int64 and index a variable with rows. Received: "
+                        f"ids of dtype {dtype.name} for {entry.describe('variable')}."
+                    )
+                shapes.append((dtype, shape))
+            return shapes
+
+        _, ids_arrays = codec.read_stream(frames, layout, "lookup")
+        self.store.count_bytes(received=sum(ids.nbytes for ids in ids_arrays))
+        for ids, entry in zip(ids_arrays, entries):
+            if ids.size and (ids.min() < 0 or ids.max() >= entry.shape[0]):
+                raise InvalidArgumentError(
+                    f"Lookup ids of {entry.describe('variable')} must be in [0, "
+                    f"{entry.shape[0]}). Received: ids from {ids.min()} to {ids.max()}."
+                )
+        with locked(entries):
+            results = [(np.take(entry.array, ids, axis=0), entry.version)
+                       for ids, entry in zip(ids_arrays, entries)]
+        header = pb.LookupResponseHeader(results=[
+            pb.LookupResult(rows=codec.tensor_meta(rows), version=version)
+            for rows, version in results
+        ])
+        return self._encode(header, [rows for rows, _ in results])
+
+    def _encode(self, header, arrays):
+        messages = list(codec.encode_stream(
+            header, [codec.byte_view(array) for array in arrays], self.chunk_bytes))
+        self.store.count_bytes(sent=sum(array.nbytes for array in arrays))
+        return messages
+
+    # -- Optimizers -----------------------------------------------------------------
+
+    def configure_optimizer(self, request):
+        self.store.configure_optimizer(request.config_json, list(request.names))
+        return pb.ConfigureOptimizerResponse()
+
+    def optimizer_state(self, request):
+        entries = self.store.entries(list(request.names))
+        with locked(entries):
+            unconfigured = [entry.name for entry in entries if entry.optimizer is None]
+            if unconfigured:
+                raise FailedPreconditionError(
+                    f"Variables {unconfigured} have no optimizer; call configure_optimizer "
+                    "first."
+                )
+            states = [(entry.name, *entry.optimizer.state()) for entry in entries]
+        header = pb.OptimizerStateHeader(states=[
+            pb.VariableOptimizerState(name=name, iterations=iterations, slots=[
+                pb.SlotMeta(name=slot_name, value=codec.tensor_meta(value))
+                for slot_name, value in slots
+            ])
+            for name, iterations, slots in states
+        ])
+        return self._encode(header, [value for _, _, slots in states for _, value in slots])
+
+    # -- Checkpoints, counters, health ------------------------------------------------
+
+    def save(self, request):
+        return pb.CheckpointResponse(num_variables=checkpoint.save(self.store, request.directory))
+
+    def restore(self, request):
+        return pb.CheckpointResponse(
+            num_variables=checkpoint.restore(self.store, request.directory))
+
+    def stats(self, request):
+        stats = self.store.stats()
+        return pb.StatsResponse(
+            variables=[
+                pb.VariableStatsMessage(
+                    name=name, version=item.version, applied_updates=item.applied_updates,
+                    rejected_updates=item.rejected_updates, shape=item.shape,
+                    dtype=item.dtype, num_bytes=item.num_bytes)
+                for name, item in stats.variables.items()
+            ],
+            requests=stats.requests,
+            bytes_received=stats.bytes_received,
+            bytes_sent=stats.bytes_sent,
+            applied_pushes=stats.applied_pushes,
+            staleness_histogram=stats.staleness.histogram,
+        )
+
+    def health(self, request):
+        return pb.HealthResponse(status="SERVING", num_variables=len(self.store),
+                                 uptime_seconds=time.monotonic() - self.started, pid=os.getpid())
+
+
+def _gradient_spec(meta):
+    check_name(meta.name)
+    dtype, shape = codec.parse_meta(meta.values, f"gradient of {meta.name!r}")
+    rows = meta.kind == pb.ROWS
+    if meta.kind not in (pb.DENSE, pb.ROWS) or meta.num_row_ids < 0:
+        raise InvalidArgumentError(
+            f"Invalid gradient of {meta.name!r}. Received: kind={meta.kind}, "
+            f"num_row_ids={meta.num_row_ids}."
+        )
+    version = meta.version if meta.HasField("version") else None
+    if version is not None and version < 0:
+        raise InvalidArgumentError(
+            f"A gradient version must be >= 0. Received: version={version} for {meta.name!r}."
+        )
+    return GradientSpec(meta.name, rows, dtype, shape, meta.num_row_ids, version)

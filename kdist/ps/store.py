@@ -1,0 +1,325 @@
+"""The variable store of one parameter server: values, versions, locks, counters.
+
+Glossary:
+
+- **version**: how many times a variable changed on this server (an applied
+  gradient or an assignment adds one); a new variable has version 0.
+- **staleness** of a gradient: the server's version before applying it minus
+  the version the gradient was computed from.
+
+Thread-safe. Each variable has its own lock; a gradient is applied, or a value
+read, entirely under it. Calls that need several variables at once take their
+locks in sorted name order, so they never deadlock. Requests are validated in
+full before anything changes (see `UpdatePlan`).
+"""
+
+import collections
+import dataclasses
+import threading
+
+import numpy as np
+import torch
+
+from kdist.errors import InvalidArgumentError
+from kdist.ps import codec
+from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
+from kdist.ps.status import FailedPreconditionError, NotFoundError
+from kdist.ps.variable_entry import VariableEntry, locked, make_variable
+from kdist.ps.values import ServerStats, StalenessStats, VariableStats
+
+
+@dataclasses.dataclass
+class GradientSpec:
+    """A gradient announced by a push header (validated by `VariableStore.plan_push`)."""
+
+    name: str
+    rows: bool  # True: a RowGradient
+    dtype: np.dtype
+    shape: tuple
+    num_row_ids: int = 0
+    version: int | None = None
+
+
+@dataclasses.dataclass
+class UpdatePlan:
+    """A validated push: its entries and the payload layout the stream must match."""
+
+    gradients: list  # [(GradientSpec, VariableEntry)]
+    assignments: list  # [VariableEntry]
+    layout: list  # [(dtype, shape)]
+
+
+class VariableStore:
+    """The variables of one server. Thread-safe.
+
+    Args:
+        max_staleness: reject gradients staler than this; None: apply all.
+
+    Example:
+
+    >>> store = VariableStore()  # doctest: +SKIP
+    >>> store.create([("w", np.zeros(3, "float32"), True)])  # doctest: +SKIP
+    """
+
+    def __init__(self, max_staleness=None):
+        self.max_staleness = max_staleness
+        self._lock = threading.Lock()  # guards _entries and the counters below
+        self._entries = {}
+        self._requests = collections.Counter()
+        self._staleness = collections.Counter()
+        self._bytes_received = 0
+        self._bytes_sent = 0
+        self._applied_pushes = 0
+
+    # -- Lookup -----------------------------------------------------------------
+
+    def __len__(self):
+        with self._lock:
+            return len(self._entries)
+
+    def names(self):
+        with self._lock:
+            return list(self._entries)
+
+    def entries(self, names, what="variable"):
+        """Returns the entries of `names` (in order) or raises NotFoundError."""
+        with self._lock:
+            found = [self._entries.get(name) for name in names]
+        missing = [name for name, entry in zip(names, found) if entry is None]
+        if missing:
+            raise NotFoundError(
+                f"Unknown {what}(s) {missing}. Create them first; this server holds "
+                f"{len(self)} variable(s)."
+            )
+        return found
+
+    def all_entries(self):
+        with self._lock:
+            return [self._entries[name] for name in sorted(self._entries)]
+
+    def replace_entries(self, new_entries):
+        """Installs `new_entries` (name -> VariableEntry), replacing same-named ones."""
+        with self._lock:
+            self._entries.update(new_entries)
+
+    # -- Creation ---------------------------------------------------------------
+
+    def create(self, items):
+        """Creates the variables that do not exist; the first creator's value wins.
+
+        Args:
+            items: `[(name, array, trainable)]`; the arrays become the
+                variables' memory.
+
+        Returns:
+            `[(entry, created)]` in order; `created` is False for a variable
+            that already existed (its value is the existing one).
+
+        Raises:
+            kdist.errors.InvalidArgumentError: an existing variable with another
+                shape, dtype or trainable flag (nothing is created then).
+        """
+        results = []
+        with self._lock:
+            for name, array, trainable in items:
+                entry = self._entries.get(name)
+                if entry is not None and (entry.shape, entry.dtype, entry.trainable) != (
+                        array.shape, array.dtype, trainable):
+                    raise InvalidArgumentError(
+                        f"Variable {name!r} already exists with shape {entry.shape}, dtype "
+                        f"{entry.dtype.name}, trainable={entry.trainable}. Received: shape="
+                        f"{array.shape}, dtype={array.dtype.name}, trainable={trainable}."
+                    )
+            for name, array, trainable in items:
+                entry = self._entries.get(name)
+                if entry is None:
+                    entry = VariableEntry(name, make_variable(name, array, trainable), trainable)
+                    self._entries[name] = entry
+                    results.append((entry, True))
+                else:
+                    results.append((entry, False))
+        return results
+
+    # -- Optimizers -------------------------------------------------------------
+
+    def configure_optimizer(self, config, names):
+        """Gives each named trainable variable its own optimizer built from `config`.
+
+        Raises:
+            NotFoundError: an unknown name.
+            kdist.errors.InvalidArgumentError: a bad config or a non-trainable
+                variable.
+            FailedPreconditionError: a variable already has a different config.
+        """
+        config_json = canonical_config(config)
+        entries = self.entries(list(dict.fromkeys(names)))
+        # Under every lock: two callers racing with different configs cannot
+        # both succeed, and a failed check leaves no variable configured.
+        with locked(entries):
+            for entry in entries:
+                if not entry.trainable:
+                    raise InvalidArgumentError(
+                        f"{entry.describe('Variable')} is not trainable; only trainable "
+                        "variables get an optimizer."
+                    )
+                current = entry.optimizer
+                if current is not None and current.config_json != config_json:
+                    differences = config_differences(current.config_json, config_json)
+                    raise FailedPreconditionError(
+                        f"{entry.describe('Variable')} already has an optimizer with another "
+                        f"config. Received (current, new): {differences}. Every worker must "
+                        "send the same optimizer config."
+                    )
+            built = {entry.name: VariableOptimizer(config_json, entry.variable)
+                     for entry in entries if entry.optimizer is None}
+            for entry in entries:
+                entry.optimizer = built.get(entry.name, entry.optimizer)
+
+    # -- Push ---------------------------------------------------------------------
+
+    def plan_push(self, gradients, assignment_layouts):
+        """Validates a push header; returns its `UpdatePlan`. Changes nothing.
+
+        Args:
+            gradients: `[GradientSpec]`.
+            assignment_layouts: `[(name, dtype, shape)]`.
+        """
+        names = [spec.name for spec in gradients] + [name for name, _, _ in assignment_layouts]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise InvalidArgumentError(
+                f"A push may update each variable once. Received: {duplicates} more than "
+                "once. Sum the gradients first, or push twice."
+            )
+        gradient_entries = self.entries([spec.name for spec in gradients])
+        assignment_entries = self.entries([name for name, _, _ in assignment_layouts])
+        layout = []
+        for spec, entry in zip(gradients, gradient_entries):
+            what = entry.describe("the gradient of")
+            if not entry.trainable:
+                raise InvalidArgumentError(f"{what}: the variable is not trainable; assign it.")
+            if entry.optimizer is None:
+                raise FailedPreconditionError(
+                    f"{what}: no optimizer is configured for it. Call "
+                    "configure_optimizer(config, names) first."
+                )
+            expected = entry.shape[1:] if spec.rows else entry.shape
+            shape = spec.shape[1:] if spec.rows else spec.shape
+            if spec.rows and (not entry.shape or len(spec.shape) < 1
+                              or spec.shape[0] != spec.num_row_ids):
+                raise InvalidArgumentError(
+                    f"{what}: a row gradient needs a variable with rows and len(row_ids) "
+                    f"rows. Received: {spec.num_row_ids} ids, rows of shape {spec.shape}."
+                )
+            _check_layout(what, entry, spec.dtype, shape, expected)
+            if spec.version is not None and spec.version > entry.version:
+                raise InvalidArgumentError(
+                    f"{what}: the gradient's version is newer than the server's. Received: "
+                    f"version={spec.version}. Expected at most {entry.version}; pull again "
+                    "(was the server restored from an older checkpoint?)."
+                )
+            if spec.rows:
+                layout.append((np.dtype(np.int64), (spec.num_row_ids,)))
+            layout.append((spec.dtype, spec.shape))
+        for (name, dtype, shape), entry in zip(assignment_layouts, assignment_entries):
+            _check_layout(entry.describe("the assignment to"), entry, dtype, shape, entry.shape)
+            layout.append((dtype, shape))
+        return UpdatePlan(list(zip(gradients, gradient_entries)), assignment_entries, layout)
+
+    def apply_push(self, plan, arrays, count_push=True):
+        """Applies a planned push's payload `arrays` (in layout order).
+
+        Returns:
+            `(versions, rejected, staleness)` as in `PushResult`.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: a row id out of range (checked
+                for every gradient before any is applied).
+        """
+        arrays = iter(arrays)
+        dense = []
+        for spec, entry in plan.gradients:
+            if spec.rows:
+                ids, rows = next(arrays), next(arrays)
+                if ids.size and (ids.min() < 0 or ids.max() >= entry.shape[0]):
+                    raise InvalidArgumentError(
+                        f"{entry.describe('the row gradient of')}: row ids must be in "
+                        f"[0, {entry.shape[0]}). Received: ids from {ids.min()} to {ids.max()}."
+                    )
+                dense.append((spec, entry, (ids, rows)))
+            else:
+                dense.append((spec, entry, next(arrays)))
+        versions, rejected, staleness, applied = {}, [], {}, 0
+        for spec, entry, gradient in dense:
+            with entry.lock:
+                if spec.version is not None:
+                    staleness[spec.name] = entry.version - spec.version
+                if (self.max_staleness is not None and spec.version is not None
+                        and staleness[spec.name] > self.max_staleness):
+                    entry.rejected_updates += 1
+                    rejected.append(spec.name)
+                else:
+                    entry.before_update()
+                    entry.optimizer.apply(_dense_gradient(entry, gradient))
+                    entry.version += 1
+                    entry.applied_updates += 1
+                    applied += 1
+                versions[spec.name] = entry.version
+        for entry in plan.assignments:
+            value = next(arrays)
+            with entry.lock:
+                entry.replace_value(value)  # the received array: no copy
+                entry.version += 1
+                versions[entry.name] = entry.version
+        with self._lock:
+            self._staleness.update(staleness.values())
+            self._applied_pushes += bool(applied and count_push)
+        return versions, tuple(rejected), staleness
+
+    # -- Counters -----------------------------------------------------------------
+
+    def count_request(self, method):
+        with self._lock:
+            self._requests[method] += 1
+
+    def count_bytes(self, received=0, sent=0):
+        with self._lock:
+            self._bytes_received += received
+            self._bytes_sent += sent
+
+    def stats(self):
+        """Returns a `ServerStats` snapshot."""
+        variables = {}
+        for entry in self.all_entries():
+            with entry.lock:
+                variables[entry.name] = VariableStats(
+                    entry.version, entry.applied_updates, entry.rejected_updates,
+                    entry.shape, entry.dtype.name, entry.array.nbytes)
+        with self._lock:
+            return ServerStats(
+                variables=variables,
+                requests=dict(self._requests),
+                bytes_received=self._bytes_received,
+                bytes_sent=self._bytes_sent,
+                applied_pushes=self._applied_pushes,
+                staleness=StalenessStats.from_histogram(self._staleness),
+            )
+
+
+def _check_layout(what, entry, dtype, shape, expected_shape):
+    if dtype != entry.dtype or tuple(shape) != tuple(expected_shape):
+        raise InvalidArgumentError(
+            f"{what}: wrong shape or dtype. Received: shape={tuple(shape)}, "
+            f"dtype={dtype.name}. Expected: shape={tuple(expected_shape)}, "
+            f"dtype={entry.dtype.name}."
+        )
+
+
+def _dense_gradient(entry, gradient):
+    if not isinstance(gradient, tuple):
+        return codec.to_torch(gradient)
+    ids, rows = gradient
+    # index_add sums repeated ids, as the dense gradient of ops.take does.
+    dense = torch.zeros(entry.shape, dtype=entry.variable.value.dtype)
+    dense.index_add_(0, torch.from_numpy(ids), codec.to_torch(rows))
+    return dense
