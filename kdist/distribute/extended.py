@@ -263,3 +263,25 @@ class StrategyExtended:
         from kdist.collectives.local import ReductionToOneDevice
 
         return ReductionToOneDevice()
+
+
+class ChiefRoles:
+    """TensorFlow's role properties for a strategy whose job has one chief.
+
+    The class that mixes it in defines `is_chief`; only the chief writes
+    checkpoints and summaries, and every task initialises its own state.
+    """
+
+    @property
+    def should_checkpoint(self):
+        """Whether this task writes checkpoints: the chief only."""
+        return self.is_chief
+
+    @property
+    def should_save_summary(self):
+        """Whether this task writes logs and summaries: the chief only."""
+        return self.is_chief
+
+    should_init = True
+    experimental_should_init = True
+    experimental_between_graph = True

@@ -14,14 +14,14 @@ from kdist.cluster import resolve_cluster
 from kdist.collectives.process import CommunicationOptions, ProcessCollectives
 from kdist.distribute.devices import resolve_devices
 from kdist.distribute.mirrored import MirroredExtended
-from kdist.distribute.extended import HOST_DEVICE
+from kdist.distribute.extended import HOST_DEVICE, ChiefRoles
 from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored
 from kdist.errors import InvalidArgumentError
 from kdist.types import ReduceOp
 
 
-class MultiWorkerExtended(MirroredExtended):
+class MultiWorkerExtended(ChiefRoles, MirroredExtended):
     """`StrategyExtended` of `MultiWorkerMirroredStrategy`.
 
     Attributes:
@@ -67,19 +67,6 @@ class MultiWorkerExtended(MirroredExtended):
         """True on rank 0: the `chief` task, or worker 0 when there is no chief."""
         return self.collectives.rank == 0
 
-    @property
-    def should_checkpoint(self):
-        """Whether this process writes checkpoints (the chief only; saving is still collective)."""
-        return self.is_chief
-
-    @property
-    def should_save_summary(self):
-        """Whether this process writes logs and summaries (the chief only)."""
-        return self.is_chief
-
-    should_init = True
-    experimental_should_init = True
-    experimental_between_graph = True
 
     # ----- reductions across processes ------------------------------------------
     def reduce_to(self, reduce_op, value, destinations, options=None):

@@ -17,6 +17,7 @@ import weakref
 
 from kdist.cluster import resolve_cluster
 from kdist.distribute.devices import resolve_devices
+from kdist.distribute.extended import ChiefRoles
 from kdist.distribute.mirrored import MirroredExtended
 from kdist.distribute.partitioners import Partitioner
 from kdist.distribute.placement import RoundRobinPlacer, device_string
@@ -28,7 +29,7 @@ from kdist.errors import InvalidArgumentError
 PS_JOB = "ps"
 
 
-class ParameterServerExtended(MirroredExtended):
+class ParameterServerExtended(ChiefRoles, MirroredExtended):
     """`StrategyExtended` of `ParameterServerStrategy`.
 
     Attributes:
@@ -80,19 +81,6 @@ class ParameterServerExtended(MirroredExtended):
         """True for the `chief` task, or worker 0 when the cluster has no chief."""
         return self.cluster_resolver.is_chief
 
-    @property
-    def should_checkpoint(self):
-        """Whether this worker writes checkpoints: the chief only."""
-        return self.is_chief
-
-    @property
-    def should_save_summary(self):
-        """Whether this worker writes logs and summaries: the chief only."""
-        return self.is_chief
-
-    should_init = True
-    experimental_should_init = True
-    experimental_between_graph = True
 
     @property
     def num_ps(self):
@@ -160,31 +148,35 @@ class ParameterServerExtended(MirroredExtended):
 
 
 class _EntryReader:
-    """Implements `sharded_variable.ShardReader` for one entry of a `RemoteVariables` store."""
+    """Implements `sharded_variable.VariableReader` for one entry: one request per server."""
 
     def __init__(self, store, entry):
         self._store = store
         self._entry = entry
 
-    def _client_and_key(self, shard):
-        position = self._entry.placement.shards.index(shard)
-        return self._store.clients[shard.ps_index], self._entry.keys[position]
+    def _by_server(self, shards, payloads):
+        groups = {}
+        for position, (shard, payload) in enumerate(zip(shards, payloads)):
+            key = self._entry.keys[self._entry.placement.shards.index(shard)]
+            groups.setdefault(shard.ps_index, []).append((position, key, payload))
+        return groups
 
     def read(self, shards):
-        values = []
-        for shard in shards:
-            client, key = self._client_and_key(shard)
-            (state,) = client.pull([key])
-            values.append(state.value)
+        values = [None] * len(shards)
+        for ps_index, items in self._by_server(shards, [None] * len(shards)).items():
+            states = self._store.clients[ps_index].pull([key for _, key, _ in items])
+            for (position, _, _), state in zip(items, states):
+                values[position] = state.value
         return values
 
     def lookup(self, requests):
-        results = []
-        for shard, local_ids in requests:
-            client, key = self._client_and_key(shard)
-            ((rows, _),) = client.lookup([(key, local_ids)])
-            results.append(rows)
-        return results
+        shards = [shard for shard, _ in requests]
+        rows = [None] * len(requests)
+        for ps_index, items in self._by_server(shards, [ids for _, ids in requests]).items():
+            results = self._store.clients[ps_index].lookup([(key, ids) for _, key, ids in items])
+            for (position, _, _), (values, _) in zip(items, results):
+                rows[position] = values
+        return rows
 
 
 class ParameterServerStrategy(Strategy):

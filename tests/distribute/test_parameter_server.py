@@ -55,6 +55,8 @@ def test_partitioned_variable_uses_the_div_strategy():
         assert [s.ps_index for s in view.variables] == [0, 1, 2, 3, 4]
         np.testing.assert_array_equal(view.numpy(), value)
         np.testing.assert_array_equal(view.variables[3].numpy(), value[9:11])
+        ids = np.array([[12, 0], [4, 4]])
+        np.testing.assert_array_equal(view.embedding_lookup(ids), value[ids])
         # Each server holds exactly its rows.
         for index, client in enumerate(cluster.clients()):
             (shard_stats,) = client.stats().variables.values()
