@@ -236,3 +236,28 @@ def test_an_unreachable_parameter_server_gives_a_retryable_error_in_bounded_time
             keras.Variable(np.zeros(3, "float32"))
     assert error.value.retryable
     assert time.monotonic() - start < 10
+
+
+def test_a_custom_train_step_matches_plain_keras():
+    # The model's own train_step calls optimizer.apply_gradients: that path pushes too.
+    x, y = _models.regression_data(256)
+    reference = _models.custom_step()
+    expected = reference.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history
+    with _ps.in_process_servers(2) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        model = _models.build_in_scope(_models.custom_step, strategy)
+        got = model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history
+    _models.assert_same_history(expected, got)
+    for ref, cand in zip(reference.weights, model.weights):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(cand), keras.ops.convert_to_numpy(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_built_outside_the_scope_is_refused_with_a_clear_error():
+    x, y = _models.classification_data(64)
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4)])
+        with strategy.scope():
+            model.compile("sgd", "mse")
+        with pytest.raises(UnsupportedError, match="created in strategy.scope"):
+            model.fit(x, np.zeros((64, 4), "float32"), verbose=0)
