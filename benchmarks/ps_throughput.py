@@ -8,9 +8,11 @@ with `--role`) and prints one JSON line per result:
   `VariableClient` in this one; a push applies plain `SGD` on the server)
   against bare gRPC moving the same bytes in its own server process: generic
   handlers, identity serializers, messages of the service's chunk size
-  prepared before timing (the gRPC ceiling), both directions; and, for
-  information, one unary message of the whole tensor. `ratio` = kdist / bare
-  push+pull throughput.
+  prepared before timing (the gRPC ceiling), both directions. `ratio` =
+  kdist / bare push+pull throughput. For information: `bare_copy`, the same
+  stream plus one copy per message on each side between NumPy buffers and
+  gRPC's bytes (the floor of any chunked array transfer in Python gRPC), and
+  one unary message of the whole tensor (why tensors are chunked).
 - `ps_round_trips` (2): pull and push requests per training step per server
   while `model.fit` runs with `ParameterServerStrategy` against 2 ps, from the
   servers' request counters (the difference of two fits of different lengths,
@@ -28,8 +30,8 @@ baseline imports `grpc` directly: it is the benchmark's yardstick, not kdist.
 
 Usage:
 
-    PYTHONPATH=. python benchmarks/ps_throughput.py           # full run, about 3 minutes on 2 cores
-    PYTHONPATH=. python benchmarks/ps_throughput.py --quick   # smoke run, under a minute
+    PYTHONPATH=. python benchmarks/ps_throughput.py           # full run, about 2 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/ps_throughput.py --quick   # smoke run, about 1 minute
 """
 
 import os
@@ -136,7 +138,7 @@ def run_bare_server():
 
     def chunks(size, chunk_bytes):
         if (size, chunk_bytes) not in cache:
-            cache[size, chunk_bytes] = [payload[o : o + chunk_bytes] for o in range(0, size, chunk_bytes)]
+            cache[size, chunk_bytes] = [payload[o : min(o + chunk_bytes, size)] for o in range(0, size, chunk_bytes)]
         return cache[size, chunk_bytes]
 
     def push(messages, context):
@@ -424,13 +426,15 @@ def measure_transfer(args):
         client.create([VariableInit(names[size], np.zeros_like(tensor)) for size, tensor in tensors.items()])
         client.configure_optimizer(keras.optimizers.serialize(keras.optimizers.SGD(SGD_LEARNING_RATE)),
                                    list(names.values()))
+        destinations = {size: np.empty_like(tensor) for size, tensor in tensors.items()}
         raw = {size: tensor.tobytes() for size, tensor in tensors.items()}
         views = {size: tensor.view(np.uint8) for size, tensor in tensors.items()}
         chunks = {size: [data[o : o + bare.chunk_bytes] for o in range(0, size, bare.chunk_bytes)]
                   for size, data in raw.items()}
         operations = {
             "kdist_push": lambda size: client.push([DenseGradient(names[size], tensors[size], None)]),
-            "kdist_pull": lambda size: client.pull([names[size]]),
+            # As a worker does: straight into the memory of its local copy.
+            "kdist_pull": lambda size: client.pull([names[size]], out={names[size]: destinations[size]}),
             "bare_push": lambda size: bare.push(chunks[size]),
             "bare_pull": bare.pull,
             "bare_copy_push": lambda size: bare.push_copy(views[size]),
@@ -449,16 +453,16 @@ def measure_transfer(args):
                         operations[method](size)
                     if repeat:
                         seconds[method][size].append((time.perf_counter() - start) / calls)
-        server_stats = client.stats()
     finally:
         client.close()
         bare.close()
         for child in servers.values():
             child.close()
-    return seconds, client.options.chunk_bytes, server_stats
+    return seconds, client.options.chunk_bytes
 
 
 def transfer_lines(seconds, chunk_bytes):
+    """Part 1's JSON lines, one per size: medians over repetitions, ratios against bare gRPC."""
     lines = []
     for size in SIZES:
         s = {method: seconds[method][size] for method in TRANSFER_METHODS}
@@ -687,14 +691,17 @@ def summary(transfer, round_trips, scaling):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=("kdist_server", "bare_server", "worker"), help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="smoke run, under a minute")
+    parser.add_argument("--quick", action="store_true", help="smoke run, about a minute")
     parser.add_argument("--repeats", type=int, help="transfer repetitions (default 9; 2 with --quick)")
     parser.add_argument("--rounds", type=int, help="scaling rounds (default 2; 1 with --quick)")
     parser.add_argument("--window-seconds", type=float, help="scaling window (default 8; 3 with --quick)")
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (2 if args.quick else 9)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    args.window_seconds = args.window_seconds or (3.0 if args.quick else 8.0)
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 9
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if args.window_seconds is None:
+        args.window_seconds = 3.0 if args.quick else 8.0
     args.warmup_seconds = 2.0 if args.quick else 3.0
     if args.repeats < 1 or args.rounds < 1 or args.window_seconds <= 0:
         parser.error("--repeats and --rounds must be >= 1 and --window-seconds > 0. Received: "
@@ -717,7 +724,7 @@ def main(argv=None):
                           "environment": environment(torch_threads_per_process=1, transport="grpc loopback"),
                           "commit": commit}), flush=True)
 
-    seconds, chunk_bytes, _ = measure_transfer(args)
+    seconds, chunk_bytes = measure_transfer(args)
     transfer = transfer_lines(seconds, chunk_bytes)
     for line in transfer:
         emit(line)

@@ -20,8 +20,8 @@ On several hosts, give every process the same cluster and its own task:
                 "task": {"type": "ps", "index": 0}}' python examples/ps_async_digits.py
 
 Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-21):
-`--small` (2000 samples over 2 workers, 10 epochs) reaches a test accuracy of
-about 0.9 in about 20 s including the start-up of all four processes.
+`--small` (3000 samples over 2 workers, 20 epochs each) reaches a test accuracy
+of 0.93 in about 20 s including the start-up of all four processes.
 """
 
 import os

@@ -137,12 +137,22 @@ class RemoteVariables:
         def pull_from(client, items):
             names = [entry.keys[position] for entry, position in items]
             known = {entry.keys[position]: entry.versions[position] for entry, position in items} if only_changed else None
-            return client.pull(names, known_versions=known)
+            # Values land straight in the local variables' memory (no copy).
+            out = {name: view for name, (entry, position) in zip(names, items) if (view := self._local_view(entry, position)) is not None}
+            try:
+                return client.pull(names, known_versions=known, out=out), out
+            except Exception:
+                # A pull that failed part-way may have overwritten some local
+                # values: forget their versions so the next pull resends them.
+                for entry, position in items:
+                    entry.versions[position] = -1
+                raise
 
         results = self._per_server(requests, pull_from)
         for ps_index, items in requests.items():
-            for (entry, position), state in zip(items, results[ps_index]):
-                if state.value is not None:
+            states, out = results[ps_index]
+            for (entry, position), state in zip(items, states):
+                if state.value is not None and state.value is not out.get(entry.keys[position]):
                     self._write_shard(entry, position, state.value)
                 entry.versions[position] = state.version
         for entry in entries:
@@ -266,6 +276,18 @@ class RemoteVariables:
             return {ps_index: call(self._clients[ps_index], payload)}
         futures = {ps_index: self._pool.submit(call, self._clients[ps_index], payload) for ps_index, payload in requests.items()}
         return {ps_index: future.result() for ps_index, future in futures.items()}
+
+    @staticmethod
+    def _local_view(entry, position):
+        """A NumPy view of the local memory holding shard `position`, or None (GPU, bfloat16)."""
+        tensor = entry.variable.value
+        if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or not tensor.is_contiguous():
+            return None
+        array = tensor.detach().numpy()
+        if entry.placement.is_partitioned:
+            shard = entry.placement.shards[position]
+            array = array[shard.row_start : shard.row_stop]
+        return array
 
     @staticmethod
     def _write_shard(entry, position, value):

@@ -155,13 +155,17 @@ class VariableClient:
 
         return self._call("Create", self._stream(header, arrays), read)
 
-    def pull(self, names, known_versions=None):
+    def pull(self, names, known_versions=None, out=None):
         """Returns the `VariableState` of each name; value None when its version is known.
 
         Args:
             names: variable names.
             known_versions: name -> the version the caller holds; values of
                 unchanged variables are not sent.
+            out: name -> a writable C-contiguous NumPy array of the variable's
+                dtype and shape to receive its value in place (the returned
+                state's value is then that array). Saves a copy and a fresh
+                allocation per pull; names missing here get new arrays.
 
         Raises:
             kdist.errors.ParameterServerError: `NOT_FOUND` for an unknown name.
@@ -171,8 +175,21 @@ class VariableClient:
             check_name(name)
         request = pb.PullRequest(names=names, known_versions=dict(known_versions or {}))
 
+        targets = []
+
+        def layout(header):
+            targets.extend((out or {}).get(meta.name) for meta in header.variables if meta.has_value)
+            return _variables_layout(header)
+
+        def allocate(index, dtype, shape):
+            target = targets[index]
+            if (target is not None and target.dtype == dtype and target.shape == tuple(shape)
+                    and target.flags.c_contiguous and target.flags.writeable):
+                return target
+            return None
+
         def read(frames):
-            response, values = codec.read_stream(frames, _variables_layout, "pull response")
+            response, values = codec.read_stream(frames, layout, "pull response", allocate)
             values = iter(values)
             return [VariableState(meta.name, next(values) if meta.has_value else None,
                                   meta.version) for meta in response.variables]

@@ -13,11 +13,14 @@ NumPy array; sending copies each chunk once, from a view of the source array
 into the message.
 """
 
+import threading
+
 import numpy as np
 import torch
 
 from kdist.errors import InvalidArgumentError
 from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.options import FRAMING_BYTES
 from kdist.ps.status import ResourceExhaustedError
 
 try:
@@ -160,18 +163,19 @@ class PayloadWriter:
         self._pending = []  # views of the message being filled
         self._pending_bytes = 0
         self._header = bytes((_HEADER_TAG,)) + _varint(len(header_bytes)) + header_bytes
-        # The first message holds the header and less payload, keeping its size
-        # within chunk_bytes + framing for small headers.
-        self._room = max(1, chunk_bytes - len(header_bytes))
+        # A header that fits in the framing allowance rides on top of a full
+        # chunk (so a 1 MiB tensor is one message, not two); a larger one takes
+        # room from the first chunk to keep the message within the limit.
+        self._room = chunk_bytes if len(header_bytes) <= FRAMING_BYTES // 2 else max(1, chunk_bytes - len(header_bytes))
         self.num_payload_bytes = 0
 
     def add(self, view):
-        """Appends the uint8 `view`; returns the messages that became complete.
+        """Appends the uint8 `view`; yields each message as soon as it is complete.
 
-        The viewed memory must not change until `finish()`: a partly filled
-        message keeps a view of it.
+        A generator, so a large tensor's first message goes out before its
+        last one is built. The viewed memory must not change until `finish()`:
+        a partly filled message keeps a view of it.
         """
-        messages = []
         view = memoryview(view)
         offset, size = 0, len(view)
         self.num_payload_bytes += size
@@ -181,8 +185,7 @@ class PayloadWriter:
             self._pending_bytes += take
             offset += take
             if self._pending_bytes == self._room:
-                messages.append(self._flush())
-        return messages
+                yield self._flush()
 
     def finish(self):
         """Returns the last message(s): the remaining payload, or the header alone."""
@@ -269,9 +272,10 @@ class PayloadReader:
     so a header that announces more than the stream carries costs nothing.
     """
 
-    def __init__(self, layout, what):
+    def __init__(self, layout, what, allocate=None):
         self._layout = list(layout)  # [(dtype, shape)]
         self._what = what
+        self._allocate = allocate
         self.arrays = []
         self._current = None
         self._position = 0
@@ -286,7 +290,9 @@ class PayloadReader:
         while len(self.arrays) < len(self._layout):
             dtype, shape = self._layout[len(self.arrays)]
             try:
-                array = np.empty(shape, dtype)
+                array = None if self._allocate is None else self._allocate(len(self.arrays), dtype, shape)
+                if array is None:
+                    array = np.empty(shape, dtype)
             except (MemoryError, ValueError) as error:
                 raise ResourceExhaustedError(
                     f"Cannot allocate a {self._what} tensor of shape {shape} and dtype "
@@ -326,11 +332,14 @@ class PayloadReader:
         return self.arrays
 
 
-def read_stream(frames, layout_of_header, what):
+def read_stream(frames, layout_of_header, what, allocate=None):
     """Reads a request stream: returns `(header, arrays)`.
 
     `layout_of_header(header)` validates the header and returns the
     `[(dtype, shape)]` of the payload; it runs before any payload is stored.
+    `allocate(index, dtype, shape)`, when given, may return a writable
+    C-contiguous array of that dtype and shape to receive payload array
+    `index` into (None: a new one).
 
     Raises:
         kdist.errors.InvalidArgumentError: no header, or a payload that does not
@@ -343,7 +352,7 @@ def read_stream(frames, layout_of_header, what):
             f"The first message of a {what} stream must carry its header. Received: "
             f"{'no message' if first is None else 'a payload-only message'}."
         )
-    reader = PayloadReader(layout_of_header(first.header), what)
+    reader = PayloadReader(layout_of_header(first.header), what, allocate)
     if len(first.payload):
         reader.write(first.payload)
     for frame in frames:
@@ -359,3 +368,45 @@ def read_stream(frames, layout_of_header, what):
 def _c_contiguous(array):
     # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
     return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+# Arrays below this size come cheaply from malloc's free lists; larger ones are
+# fresh mappings whose first write page-faults (about as slow as the copy itself).
+MIN_POOLED_BYTES = 1 << 20
+# Idle receive buffers a process keeps for reuse, at most.
+DEFAULT_POOL_BYTES = 256 << 20
+
+
+class BufferPool:
+    """Receive buffers kept for reuse, by dtype and shape. Thread-safe.
+
+    A server receives each gradient of a large variable into a buffer of the
+    same shape, push after push; reusing it avoids a fresh allocation whose
+    every page faults on first write.
+    """
+
+    def __init__(self, max_bytes=DEFAULT_POOL_BYTES):
+        self._max_bytes = max_bytes
+        self._free = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, dtype, shape):
+        """A pooled array of `dtype` and `shape`, or None when there is none."""
+        with self._lock:
+            arrays = self._free.get((dtype.str, tuple(shape)))
+            if not arrays:
+                return None
+            array = arrays.pop()
+            self._bytes -= array.nbytes
+            return array
+
+    def give(self, array):
+        """Returns `array` for reuse; the caller must not use it afterwards."""
+        if array.nbytes < MIN_POOLED_BYTES or not array.flags.c_contiguous or not array.flags.writeable:
+            return
+        with self._lock:
+            if self._bytes + array.nbytes > self._max_bytes:
+                return
+            self._free.setdefault((array.dtype.str, array.shape), []).append(array)
+            self._bytes += array.nbytes

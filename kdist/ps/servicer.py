@@ -39,6 +39,7 @@ class VariableServicer:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.started = time.monotonic()
+        self._buffers = codec.BufferPool()
 
     def handlers(self):
         """Returns the `grpc.GenericRpcHandler` of every method."""
@@ -141,10 +142,21 @@ class VariableServicer:
             ))
             return plans[0].layout
 
-        _, arrays = codec.read_stream(frames, layout, "push")
+        def allocate(index, dtype, shape):
+            # Gradient buffers come first in the layout; assignments are kept
+            # as the variables' new values, so they are never pooled.
+            if index < len(plans[0].layout) - len(plans[0].assignments):
+                return self._buffers.take(dtype, shape)
+            return None
+
+        _, arrays = codec.read_stream(frames, layout, "push", allocate)
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
-        versions, rejected, staleness = self.store.apply_push(
-            plans[0], arrays, count_push=gradients_allowed)
+        try:
+            versions, rejected, staleness = self.store.apply_push(
+                plans[0], arrays, count_push=gradients_allowed)
+        finally:
+            for array in arrays[: len(arrays) - len(plans[0].assignments)]:
+                self._buffers.give(array)
         return pb.PushResponse(versions=versions, rejected=rejected, staleness=staleness)
 
     def assign(self, frames):
