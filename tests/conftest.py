@@ -3,6 +3,12 @@
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
+# This process talks gRPC (in-process parameter servers and clients) and forks
+# children (tests/harness.py). With gRPC's fork support on, a forked child
+# restarts gRPC's poller thread, which dies on the epoll descriptor that
+# subprocess closes before exec: the child aborts (SIGABRT) before it runs
+# (grpc/grpc#43055). Must be set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
