@@ -18,6 +18,8 @@ A dtype may be given as a string (`"float32"`, `"bfloat16"`, `"string"`), a
 NumPy dtype or scalar type, or a `torch.dtype`.
 """
 
+import abc
+
 import numpy as np
 import torch
 
@@ -177,20 +179,21 @@ def _prod(dims):
     return result
 
 
-class Partitioner:
+class Partitioner(abc.ABC):
     """Base class of partitioners: decides how many shards a variable is split into.
 
-    A subclass implements `__call__(shape, dtype, axis=0)` and returns one
-    integer per axis of `shape`: the number of partitions along that axis. Only
-    the first axis may be partitioned by `ParameterServerStrategy`, so every
-    other entry must be 1. Any callable with this signature can serve as a
-    `variable_partitioner`; subclassing is a convenience.
+    Called as `partitioner(shape, dtype, axis=0)`, it returns one integer per
+    axis of `shape`: the number of partitions along that axis. Only the first
+    axis may be partitioned by `ParameterServerStrategy`, so every other entry
+    is 1. A subclass implements `num_shards(shape, dtype, axis)`; any callable
+    with the same signature as `__call__` can also serve as a
+    `variable_partitioner`.
 
     Example:
 
     >>> class EveryRowItsOwnShard(Partitioner):
-    ...     def __call__(self, shape, dtype, axis=0):
-    ...         return [shape[0]] + [1] * (len(shape) - 1) if shape else []
+    ...     def num_shards(self, shape, dtype, axis):
+    ...         return shape[axis]
     >>> EveryRowItsOwnShard()((3, 2), "float32")
     [3, 1]
     """
@@ -207,7 +210,17 @@ class Partitioner:
         Returns:
             A list with one integer per axis of `shape`; `[]` for a scalar.
         """
-        raise NotImplementedError
+        shape = canonical_shape(shape)
+        if not shape:
+            return []
+        _check_axis(axis, shape)
+        partitions = [1] * len(shape)
+        partitions[axis] = self.num_shards(shape, dtype, axis)
+        return partitions
+
+    @abc.abstractmethod
+    def num_shards(self, shape, dtype, axis):
+        """The number of shards along `axis` of the (non-scalar, canonical) `shape`."""
 
 
 class FixedShardsPartitioner(Partitioner):
@@ -233,19 +246,13 @@ class FixedShardsPartitioner(Partitioner):
 
     def __init__(self, num_shards):
         _check_positive_int(num_shards, "num_shards")
-        self.num_shards = int(num_shards)
+        self.fixed_num_shards = int(num_shards)
 
-    def __call__(self, shape, dtype, axis=0):
-        shape = canonical_shape(shape)
-        if not shape:
-            return []
-        _check_axis(axis, shape)
-        partitions = [1] * len(shape)
-        partitions[axis] = min(self.num_shards, shape[axis])
-        return partitions
+    def num_shards(self, shape, dtype, axis):
+        return min(self.fixed_num_shards, shape[axis])
 
     def __repr__(self):
-        return f"FixedShardsPartitioner(num_shards={self.num_shards})"
+        return f"FixedShardsPartitioner(num_shards={self.fixed_num_shards})"
 
 
 class MinSizePartitioner(Partitioner):
@@ -295,16 +302,10 @@ class MinSizePartitioner(Partitioner):
         self.max_shards = int(max_shards)
         self.bytes_per_string = int(bytes_per_string)
 
-    def __call__(self, shape, dtype, axis=0):
-        shape = canonical_shape(shape)
-        if not shape:
-            return []
-        _check_axis(axis, shape)
+    def num_shards(self, shape, dtype, axis):
         total_bytes = _prod(shape) * dtype_num_bytes(dtype, self.bytes_per_string)
         wanted = -(-total_bytes // self.min_shard_bytes)  # ceil, exact for big ints
-        partitions = [1] * len(shape)
-        partitions[axis] = max(1, min(shape[axis], self.max_shards, wanted))
-        return partitions
+        return max(1, min(shape[axis], self.max_shards, wanted))
 
     def __repr__(self):
         return (
@@ -358,23 +359,17 @@ class MaxSizePartitioner(Partitioner):
         self.max_shards = None if max_shards is None else int(max_shards)
         self.bytes_per_string = int(bytes_per_string)
 
-    def __call__(self, shape, dtype, axis=0):
-        shape = canonical_shape(shape)
-        if not shape:
-            return []
-        _check_axis(axis, shape)
-        partitions = [1] * len(shape)
+    def num_shards(self, shape, dtype, axis):
         num_rows = shape[axis]
         row_elements = _prod(shape[:axis] + shape[axis + 1 :])
         bytes_per_row = row_elements * dtype_num_bytes(dtype, self.bytes_per_string)
         if num_rows == 0 or bytes_per_row == 0:
-            return partitions
+            return 1
         rows_per_shard = max(1, self.max_shard_bytes // bytes_per_row)
         num_shards = -(-num_rows // rows_per_shard)
         if self.max_shards is not None:
             num_shards = min(num_shards, self.max_shards)
-        partitions[axis] = num_shards
-        return partitions
+        return num_shards
 
     def __repr__(self):
         return (
