@@ -148,35 +148,18 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
 
 
 class _EntryReader:
-    """Implements `sharded_variable.VariableReader` for one entry: one request per server."""
+    """Implements `sharded_variable.VariableReader` for one entry of a `RemoteVariables` store."""
 
     def __init__(self, store, entry):
         self._store = store
         self._entry = entry
 
-    def _by_server(self, shards, payloads):
-        groups = {}
-        for position, (shard, payload) in enumerate(zip(shards, payloads)):
-            key = self._entry.keys[self._entry.placement.shards.index(shard)]
-            groups.setdefault(shard.ps_index, []).append((position, key, payload))
-        return groups
-
     def read(self, shards):
-        values = [None] * len(shards)
-        for ps_index, items in self._by_server(shards, [None] * len(shards)).items():
-            states = self._store.clients[ps_index].pull([key for _, key, _ in items])
-            for (position, _, _), state in zip(items, states):
-                values[position] = state.value
-        return values
+        return self._store.read_shards(self._entry, [self._entry.placement.shards.index(shard) for shard in shards])
 
     def lookup(self, requests):
-        shards = [shard for shard, _ in requests]
-        rows = [None] * len(requests)
-        for ps_index, items in self._by_server(shards, [ids for _, ids in requests]).items():
-            results = self._store.clients[ps_index].lookup([(key, ids) for _, key, ids in items])
-            for (position, _, _), (values, _) in zip(items, results):
-                rows[position] = values
-        return rows
+        positions = [(self._entry.placement.shards.index(shard), ids) for shard, ids in requests]
+        return [rows for rows, _ in self._store.lookup_shards(self._entry, positions)]
 
 
 class ParameterServerStrategy(Strategy):

@@ -97,7 +97,7 @@ class RemoteVariables:
         value = _to_numpy(variable.value)
         requests = {}
         for position, shard in enumerate(placement.shards):
-            item = VariableInit(keys[position], value[shard.row_start : shard.row_stop] if placement.is_partitioned else value, trainable=bool(variable.trainable))
+            item = VariableInit(keys[position], _shard_part(placement, position, value), trainable=bool(variable.trainable))
             requests.setdefault(shard.ps_index, []).append((position, item))
         results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
         for ps_index, items in requests.items():
@@ -168,21 +168,42 @@ class RemoteVariables:
         ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
         starts = np.array([shard.row_start for shard in entry.placement.shards])
         owner = np.searchsorted(starts, ids, side="right") - 1
-        requests = {}
+        requests, selections = [], []
         for position, shard in enumerate(entry.placement.shards):
             selected = np.nonzero(owner == position)[0]
             if len(selected):
-                requests.setdefault(shard.ps_index, []).append((position, selected, ids[selected] - shard.row_start))
-        results = self._per_server(
-            requests, lambda client, items: client.lookup([(entry.keys[position], local) for position, _, local in items])
-        )
-        rows = np.empty((len(ids),) + tuple(entry.placement.shape[1:]), dtype=_to_numpy(entry.variable.value[:0]).dtype)
+                requests.append((position, ids[selected] - shard.row_start))
+                selections.append(selected)
+        rows = np.empty((len(ids),) + tuple(entry.placement.shape[1:]), dtype=np.dtype(entry.placement.dtype))
         versions = {}
-        for ps_index, items in requests.items():
-            for (position, selected, _), (values, version) in zip(items, results[ps_index]):
-                rows[selected] = values
-                versions[position] = version
+        for (position, _), selected, (values, version) in zip(requests, selections, self.lookup_shards(entry, requests)):
+            rows[selected] = values
+            versions[position] = version
         return torch.from_numpy(rows), versions
+
+    def lookup_shards(self, entry, requests):
+        """Rows of `entry`'s shards: `[(shard position, local ids)]` -> `[(rows, version)]`, one request per server."""
+        by_server = {}
+        for index, (position, local_ids) in enumerate(requests):
+            by_server.setdefault(entry.placement.shards[position].ps_index, []).append((index, entry.keys[position], local_ids))
+        results = self._per_server(by_server, lambda client, items: client.lookup([(key, ids) for _, key, ids in items]))
+        answers = [None] * len(requests)
+        for ps_index, items in by_server.items():
+            for (index, _, _), answer in zip(items, results[ps_index]):
+                answers[index] = answer
+        return answers
+
+    def read_shards(self, entry, positions):
+        """Current server values of `entry`'s shards at `positions` (the local copy is untouched)."""
+        by_server = {}
+        for index, position in enumerate(positions):
+            by_server.setdefault(entry.placement.shards[position].ps_index, []).append((index, entry.keys[position]))
+        results = self._per_server(by_server, lambda client, items: client.pull([key for _, key in items]))
+        values = [None] * len(positions)
+        for ps_index, items in by_server.items():
+            for (index, _), state in zip(items, results[ps_index]):
+                values[index] = state.value
+        return values
 
     # ----- writes -----------------------------------------------------------------
     def push(self, dense, rows=(), assign=()):
@@ -200,8 +221,7 @@ class RemoteVariables:
         for entry, gradient in dense:
             gradient = _to_numpy(gradient)
             for position, shard in enumerate(entry.placement.shards):
-                part = gradient[shard.row_start : shard.row_stop] if entry.placement.is_partitioned else gradient
-                update = DenseGradient(entry.keys[position], part, entry.versions[position])
+                update = DenseGradient(entry.keys[position], _shard_part(entry.placement, position, gradient), entry.versions[position])
                 requests.setdefault(shard.ps_index, ([], []))[0].append(update)
         for entry, row_ids, values, versions in rows:
             ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
@@ -214,8 +234,8 @@ class RemoteVariables:
         for entry in assign:
             value = _to_numpy(entry.variable.value)
             for position, shard in enumerate(entry.placement.shards):
-                part = value[shard.row_start : shard.row_stop] if entry.placement.is_partitioned else value
-                requests.setdefault(shard.ps_index, ([], []))[1].append(Assignment(entry.keys[position], part))
+                assignment = Assignment(entry.keys[position], _shard_part(entry.placement, position, value))
+                requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
         results = self._per_server(requests, lambda client, pair: client.push(pair[0], pair[1]))
         return list(results.values())
 
@@ -226,11 +246,7 @@ class RemoteVariables:
 
     def configure_optimizer(self, config, entries):
         """Tells each server which optimizer applies the pushes to `entries`' shards."""
-        requests = {}
-        for entry in entries:
-            for position, shard in enumerate(entry.placement.shards):
-                requests.setdefault(shard.ps_index, []).append(entry.keys[position])
-        self._per_server(requests, lambda client, names: client.configure_optimizer(config, names))
+        self._per_server(_keys_by_server(entries), lambda client, names: client.configure_optimizer(config, names))
 
     def optimizer_state(self, entries):
         """Reads back the servers' optimizer state of `entries`.
@@ -239,11 +255,7 @@ class RemoteVariables:
             A list, one item per entry: `(iterations, {slot name: full array})`;
             a partitioned variable's slots are its shards' slots concatenated.
         """
-        requests = {}
-        for entry in entries:
-            for position, shard in enumerate(entry.placement.shards):
-                requests.setdefault(shard.ps_index, []).append(entry.keys[position])
-        results = self._per_server(requests, lambda client, names: client.optimizer_state(names))
+        results = self._per_server(_keys_by_server(entries), lambda client, names: client.optimizer_state(names))
         states = {}
         for per_server in results.values():
             states.update(per_server)
@@ -283,22 +295,14 @@ class RemoteVariables:
         tensor = entry.variable.value
         if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or not tensor.is_contiguous():
             return None
-        array = tensor.detach().numpy()
-        if entry.placement.is_partitioned:
-            shard = entry.placement.shards[position]
-            array = array[shard.row_start : shard.row_stop]
-        return array
+        return _shard_part(entry.placement, position, tensor.detach().numpy())
 
     @staticmethod
     def _write_shard(entry, position, value):
-        shard = entry.placement.shards[position]
-        target = entry.variable.value
+        target = _shard_part(entry.placement, position, entry.variable.value)
         source = torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
         with torch.no_grad():
-            if entry.placement.is_partitioned:
-                target[shard.row_start : shard.row_stop].copy_(source.reshape(target[shard.row_start : shard.row_stop].shape))
-            else:
-                target.copy_(source.reshape(target.shape))
+            target.copy_(source.reshape(target.shape))
 
     @staticmethod
     def _take_snapshot(entry):
@@ -326,3 +330,20 @@ def _to_numpy(tensor):
             "in bfloat16 while variables stay float32)."
         )
     return tensor.contiguous().numpy()
+
+
+def _shard_part(placement, position, array):
+    """The rows of `array` (the whole variable's value or gradient) that shard `position` holds."""
+    if not placement.is_partitioned:
+        return array
+    shard = placement.shards[position]
+    return array[shard.row_start : shard.row_stop]
+
+
+def _keys_by_server(entries):
+    """`{ps_index: [server keys]}` of every shard of `entries`."""
+    by_server = {}
+    for entry in entries:
+        for position, shard in enumerate(entry.placement.shards):
+            by_server.setdefault(shard.ps_index, []).append(entry.keys[position])
+    return by_server

@@ -109,9 +109,9 @@ def attach(model, strategy):
         for name in _SCOPED_METHODS:
             _override(model, name, _scoped(model, name))
         object.__setattr__(model, "_kdist_attached", True)
-    if ps_training.is_parameter_server(strategy) and getattr(model, "optimizer", None) is not None:
+    if ps_training.is_parameter_server(strategy):
         # Before the replica engine's wrapper, which then records around this one.
-        ps_training.attach(model, strategy)
+        ps_training.connect_optimizer(model, strategy)
     wrap_optimizer(getattr(model, "optimizer", None))
     if multi_worker.collectives_of(strategy) is not None and not replica_engine._TESTING_FAULTS.upstream_metrics_result:
         # Metrics are already combined across processes by kdist (see _compat).
@@ -123,7 +123,7 @@ def attach(model, strategy):
             # Drop step functions Keras may have built before the model was attached.
             object.__setattr__(model, f"{kind}_function", None)
     if ps_training.is_parameter_server(strategy):
-        ps_training.attach(model, strategy)
+        ps_training.wrap_step_functions(model, strategy)
 
 
 def _override(model, name, function):

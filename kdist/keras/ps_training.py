@@ -172,17 +172,19 @@ class PSSession:
         self.configure(optimizer, [entry for entry, _ in dense] + [entry for entry, *_ in rows])
         return dense, rows
 
-    def push(self, dense, rows, with_state):
-        assign = [entry for entry in self.entries() if not entry.trainable and self.store.changed(entry)] if with_state else []
+    def push(self, dense, rows, state_entries=()):
+        """Sends a step's update, plus those of `state_entries` (non-trainable) that the step changed."""
+        assign = [entry for entry in state_entries if not entry.trainable and self.store.changed(entry)]
         if dense or rows or assign:
             self.store.push(dense, rows, assign)
 
     # ----- save -------------------------------------------------------------------
     def read_back(self):
         """Makes the local model and optimizer hold the parameter servers' current state."""
-        self.store.pull(self.entries(), include_row_sparse=True, only_changed=False)
+        entries = self.entries()
+        self.store.pull(entries, include_row_sparse=True, only_changed=False)
         optimizer = self.model.optimizer
-        trainable = [entry for entry in self.entries() if entry.trainable]
+        trainable = [entry for entry in entries if entry.trainable]
         if optimizer is None or not trainable:
             return
         # Idempotent on the servers; a chief that never trained has not sent it yet.
@@ -210,25 +212,47 @@ def session_of(model):
     return getattr(model, "_kdist_ps_session", None)
 
 
-def attach(model, strategy):
-    """Connects `model` to `strategy`'s parameter servers (idempotent; see the module doc)."""
+def session_for(model, strategy):
+    """The model's `PSSession` with `strategy`, created on first use."""
     session = session_of(model)
     if session is None or session.strategy is not strategy:
         session = PSSession(model, strategy)
         object.__setattr__(model, "_kdist_ps_session", session)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "_kdist_ps_session", None) is not session:
-        _wrap_optimizer(optimizer, session)
-    for kind in ("train", "test", "predict"):
-        _wrap_make_function(model, kind, session)
     return session
 
 
+def connect_optimizer(model, strategy):
+    """Makes the model's optimizer push to the parameter servers.
+
+    Must run before the replica engine wraps the optimizer (its recording
+    wrapper then calls this one with the combined gradients).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        _wrap_optimizer(optimizer, session_for(model, strategy))
+
+
+def wrap_step_functions(model, strategy):
+    """Makes every step function pull first and push last (after the replica engine's overrides)."""
+    session = session_for(model, strategy)
+    for kind in ("train", "test", "predict"):
+        _wrap_make_function(model, kind, session)
+
+
 def _wrap_optimizer(optimizer, session):
-    original_apply = getattr(optimizer, "_kdist_ps_original_apply", None) or optimizer.apply
-    original_add = getattr(optimizer, "_kdist_ps_original_add", None) or optimizer.add_variable_from_reference
+    """Replaces `optimizer.apply` by a push to `session`'s servers; later calls only switch the session.
+
+    Wrapping once keeps whatever wrapped this wrapper (the replica engine's
+    recorder) in place when a model is compiled again.
+    """
+    already_wrapped = getattr(optimizer, "_kdist_ps_session", None) is not None
+    object.__setattr__(optimizer, "_kdist_ps_session", session)
+    if already_wrapped:
+        return
+    original_add = optimizer.add_variable_from_reference
 
     def apply(grads, trainable_variables=None):
+        session = optimizer._kdist_ps_session
         if trainable_variables is None:
             trainable_variables = _compat.optimizer_trainable_variables(optimizer)
         step = _current_step()
@@ -238,12 +262,12 @@ def _wrap_optimizer(optimizer, session):
         if step is not None:
             if step.pending:
                 # A second apply in one step function call: send the first now.
-                session.push(step.dense, step.row_updates, with_state=False)
+                session.push(step.dense, step.row_updates)
             step.dense, step.row_updates, step.pending = dense, rows, True
             return
         # A custom training loop: push at once, then read the result back as a
         # local apply would have changed the variables.
-        session.push(dense, rows, with_state=False)
+        session.push(dense, rows)
         session.store.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
@@ -252,11 +276,7 @@ def _wrap_optimizer(optimizer, session):
         optimizer._kdist_ps_slots[(id(reference_variable), name)] = slot
         return slot
 
-    if not hasattr(optimizer, "_kdist_ps_slots"):
-        object.__setattr__(optimizer, "_kdist_ps_slots", {})
-    object.__setattr__(optimizer, "_kdist_ps_original_apply", original_apply)
-    object.__setattr__(optimizer, "_kdist_ps_original_add", original_add)
-    object.__setattr__(optimizer, "_kdist_ps_session", session)
+    object.__setattr__(optimizer, "_kdist_ps_slots", {})
     object.__setattr__(optimizer, "apply", apply)
     object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
 
@@ -292,15 +312,17 @@ def _wrap_make_function(model, kind, session):
 
 def _train_wrapper(function, session):
     def train_function(data):
+        # Once per step: which variables are remote (used by the pull and the push).
+        entries = session.entries()
         if not _TESTING_FAULTS.skip_pull:
-            session.pull()
+            session.store.pull(entries)
         step = _Step()
         _local.step = step
         try:
             logs = function(data)
         finally:
             _local.step = None
-        session.push(step.dense, step.row_updates, with_state=True)
+        session.push(step.dense, step.row_updates, state_entries=entries)
         return logs
 
     return train_function

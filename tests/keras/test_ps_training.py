@@ -261,3 +261,20 @@ def test_a_model_built_outside_the_scope_is_refused_with_a_clear_error():
             model.compile("sgd", "mse")
         with pytest.raises(UnsupportedError, match="created in strategy.scope"):
             model.fit(x, np.zeros((64, 4), "float32"), verbose=0)
+
+
+def test_an_optimizer_shared_by_two_models_keeps_one_combined_push_per_step():
+    # Attaching the optimizer to a second model must not drop the replica
+    # engine's recorder around the push: each of the 2 replicas would then push
+    # on its own (8 pushes instead of 4).
+    x, y = _models.classification_data(256)
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver(), devices=["cpu:0", "cpu:1"])
+        first = _models.build_in_scope(_models.mlp_l2, strategy)
+        with strategy.scope():
+            second = _models.mlp_l2(seed=3)
+            second.compile(first.optimizer, loss=first.loss)
+        before = cluster.stats()[0]
+        second.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        after = cluster.stats()[0]
+    assert after.requests.get("push", 0) - before.requests.get("push", 0) == 4
