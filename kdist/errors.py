@@ -140,3 +140,91 @@ class UnauthenticatedError(ParameterServerError):
 
     Fatal: give the client the server's token (`Security(token=...)`).
     """
+
+
+class WorkerUnavailableError(KdistError, ConnectionError):
+    """A worker could not be reached, or died while running a closure.
+
+    Retryable: the coordinator puts the worker's closure back in its queue for
+    another worker and keeps calling the worker until it comes back. User code
+    sees it only from a `RemoteValue` whose closure is being retried.
+
+    Attributes:
+        address: the worker's `"host:port"`.
+        detail: gRPC's description of the failure (for people, not for code).
+    """
+
+    retryable = True
+
+    def __init__(self, address, detail=""):
+        message = f"The worker at {address} is unavailable; its closure is retried on another worker."
+        if detail:
+            message += f" gRPC said: {detail}"
+        super().__init__(message)
+        self.address = address
+        self.detail = detail
+
+
+class WorkerError(KdistError, RuntimeError):
+    """A worker refused the coordinator's request. Fatal: fix the cluster or the request.
+
+    Raised for a missing or wrong token (`code_name` `"UNAUTHENTICATED"`), a
+    resource the worker could not build from its config (`"INVALID_ARGUMENT"`,
+    with the worker's traceback in `detail`), or a message over the size limit.
+
+    Attributes:
+        address: the worker's `"host:port"`.
+        code_name: the gRPC status code's name.
+        detail: the worker's explanation.
+    """
+
+    def __init__(self, address, code_name, detail):
+        super().__init__(f"The worker at {address} answered {code_name}: {detail}")
+        self.address = address
+        self.code_name = code_name
+        self.detail = detail
+
+
+class RemoteFunctionError(KdistError, RuntimeError):
+    """A scheduled function raised on a worker, and its exception could not be rebuilt here.
+
+    When the exception pickles, the coordinator raises the original type
+    instead, chained to a `RemoteTraceback` with the worker's traceback.
+
+    Attributes:
+        worker: the worker's `"host:port"`.
+        error_type: the exception's qualified type name on the worker.
+        traceback: the worker's formatted traceback.
+    """
+
+    def __init__(self, worker, error_type, message, traceback):
+        super().__init__(
+            f"A scheduled function raised {error_type} on the worker at {worker}: {message}\n"
+            f"Worker traceback:\n{traceback}"
+        )
+        self.worker = worker
+        self.error_type = error_type
+        self.traceback = traceback
+
+
+class RemoteTraceback(KdistError):
+    """The `__cause__` of an exception re-raised from a worker: its text is the worker's traceback."""
+
+    def __init__(self, traceback):
+        super().__init__(traceback)
+        self.traceback = traceback
+
+    def __str__(self):
+        return f"\n\nWorker traceback:\n{self.traceback}"
+
+
+class OutOfRangeError(KdistError, RuntimeError):
+    """A per-worker iterator ran out of data inside a scheduled function.
+
+    Repeat the dataset (`dataset_fn` should return an endless stream for
+    coordinator training) or schedule fewer steps.
+    """
+
+
+class CancelledError(KdistError, RuntimeError):
+    """A scheduled closure was cancelled before it ran because an earlier closure failed."""

@@ -25,6 +25,7 @@ from kdist.distribute.remote_variables import RemoteVariables
 from kdist.distribute.sharded_variable import RemoteVariable, ShardedVariable
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
+from kdist.ps import Security
 
 PS_JOB = "ps"
 
@@ -35,6 +36,8 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
     Attributes:
         cluster_resolver: the resolver the job's layout came from.
         remote_variables: the `RemoteVariables` store holding every placed variable.
+        options: the `kdist.ps.ServiceOptions` given (None: defaults).
+        security: the `kdist.ps.Security` presented to parameter servers and workers.
     """
 
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner, devices, options, security):
@@ -72,6 +75,11 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         self._partitioner = variable_partitioner
         self._placer = RoundRobinPlacer(len(addresses))
         self.remote_variables = RemoteVariables(addresses, options=options, security=security)
+        self.options = options
+        self.security = Security() if security is None else security
+        self.devices_argument = devices
+        # The `kdist.coordinator.ClusterCoordinator` of this strategy, once one exists.
+        self._cluster_coordinator = None
         self._creation_paused = 0
         weakref.finalize(container_strategy, self.remote_variables.close)
 

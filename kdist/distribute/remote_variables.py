@@ -12,9 +12,16 @@ push.
 
 Thread-safety: `RemoteVariables` may be used from several threads; each entry
 is written by the thread that runs the model's step.
+
+Exactly-once pushes: a push may carry an update id, and each parameter server
+applies a given id once (see `VariableClient.push`). `idempotent_updates`
+numbers a thread's pushes, so that a closure re-run after its worker died
+repeats the dead worker's ids and its pushes that were delivered are not
+applied twice.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -24,6 +31,7 @@ import torch
 
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit
+from kdist.ps.values import check_update_id
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +79,7 @@ class RemoteVariables:
         self._entries = {}
         self._counter = itertools.count()
         self._lock = threading.Lock()
+        self._update_ids = threading.local()  # .block: this thread's _UpdateIdBlock or None
 
     @property
     def clients(self):
@@ -108,6 +117,23 @@ class RemoteVariables:
         with self._lock:
             self._entries[id(variable)] = entry
         return entry
+
+    def adopt(self, variable, placement, keys):
+        """Binds a local `variable` to shards that already exist on the servers (creates nothing).
+
+        A worker driven by a coordinator rebuilds the chief's model and adopts
+        the chief's keys; its first `pull` reads every value (versions start
+        unknown).
+        """
+        entry = RemoteEntry(variable, placement, tuple(keys), [-1] * len(keys))
+        with self._lock:
+            self._entries[id(variable)] = entry
+        return entry
+
+    def all_entries(self):
+        """Every entry of this store, in registration order."""
+        with self._lock:
+            return list(self._entries.values())
 
     def entry(self, variable):
         """The `RemoteEntry` of `variable`, or None when it does not live on a parameter server."""
@@ -206,17 +232,29 @@ class RemoteVariables:
         return values
 
     # ----- writes -----------------------------------------------------------------
-    def push(self, dense, rows=(), assign=()):
+    def push(self, dense, rows=(), assign=(), update_id=None):
         """Sends one update to every server it concerns, in parallel.
 
         Args:
             dense: `(entry, gradient tensor)` pairs, full-variable gradients.
             rows: `(entry, unique row ids, row gradients, shard versions)`.
             assign: entries whose local value replaces the servers' value.
+            update_id: an idempotency key sent to every server contacted; each
+                applies it once (see `kdist.ps.VariableClient.push`). None:
+                the next id of this thread's `idempotent_updates` block, or
+                no id outside one.
 
         Returns:
             A list of `kdist.ps.PushResult`, one per server contacted.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: an `update_id` that is not a
+                string of at most 256 characters.
         """
+        if update_id is None:
+            block = getattr(self._update_ids, "block", None)
+            update_id = None if block is None else block.next_id()
+        check_update_id(update_id)
         requests = {}
         for entry, gradient in dense:
             gradient = _to_numpy(gradient)
@@ -236,8 +274,50 @@ class RemoteVariables:
             for position, shard in enumerate(entry.placement.shards):
                 assignment = Assignment(entry.keys[position], _shard_part(entry.placement, position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
-        results = self._per_server(requests, lambda client, pair: client.push(pair[0], pair[1]))
+        results = self._per_server(
+            requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
         return list(results.values())
+
+    @contextlib.contextmanager
+    def idempotent_updates(self, prefix):
+        """Gives this thread's pushes in the block the update ids `f"{prefix}/{n}"`.
+
+        `n` counts, from 0, the pushes made in the block without an explicit
+        `update_id`. Every server applies an id once, so a closure that is
+        re-run (its first worker died, maybe after pushing some of its
+        updates) with the same prefix makes the same pushes in the same order
+        under the same ids, and those the dead worker delivered are not
+        applied again: the servers answer them with the first results and
+        count them in `ServerStats.deduplicated_updates`.
+
+        Thread-local (other threads' pushes are unaffected). A nested block
+        uses its own prefix and count until it exits, then the outer block's
+        count continues.
+
+        Args:
+            prefix: a non-empty string naming the closure (not the attempt),
+                short enough that the ids fit in 256 characters.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: an empty or non-string prefix.
+
+        Example:
+
+        >>> with remote_variables.idempotent_updates("closure-17"):  # doctest: +SKIP
+        ...     remote_variables.push(gradients)  # update_id "closure-17/0"
+        ...     remote_variables.push(gradients)  # update_id "closure-17/1"
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidArgumentError(
+                f"idempotent_updates() needs a non-empty string prefix naming the closure. "
+                f"Received: prefix={prefix!r}."
+            )
+        outer = getattr(self._update_ids, "block", None)
+        self._update_ids.block = _UpdateIdBlock(prefix)
+        try:
+            yield
+        finally:
+            self._update_ids.block = outer
 
     def assign(self, entries):
         """Writes the local values of `entries` to their servers (restoring weights, for instance)."""
@@ -315,6 +395,17 @@ class RemoteVariables:
     def changed(entry):
         """True when a non-trainable entry's local value differs from what was last read."""
         return entry.snapshot is not None and not torch.equal(entry.snapshot, entry.variable.value.detach())
+
+
+class _UpdateIdBlock:
+    """The ids of one `idempotent_updates` block: `prefix/0`, `prefix/1`, ... (one thread's)."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self._count = itertools.count()
+
+    def next_id(self):
+        return f"{self.prefix}/{next(self._count)}"
 
 
 def _to_numpy(tensor):

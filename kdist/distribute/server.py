@@ -10,9 +10,11 @@ if resolver.task_type == "ps":
 ```
 
 A `"ps"` task serves the variable service (`kdist.ps`): the variables placed on
-it, their optimizer state, pushes and pulls. Workers and the chief get their
-server with the `ClusterCoordinator`; until then asking for one is an
-`UnsupportedError`.
+it, their optimizer state, pushes and pulls. A `"worker"` task serves the
+worker service (`kdist.coordinator`): it runs the functions a
+`ClusterCoordinator` on the chief schedules onto it. A worker executes the
+code its coordinator sends: give every task the cluster's token (`security`),
+and TLS beyond one machine. The chief and evaluator need no server.
 
 Differences from TensorFlow: there is no `protocol`/`config` (the protocol is
 always gRPC; `options` and `security` configure it), `target` is the
@@ -35,7 +37,7 @@ from kdist.types import TaskType
 DEFAULT_BIND_HOST = "127.0.0.1"
 # Hosts that mean "every interface"; a client on this host reaches them through loopback.
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
-_SERVED_JOBS = (TaskType.PS.value,)
+_SERVED_JOBS = (TaskType.PS.value, TaskType.WORKER.value)
 
 
 class Server:
@@ -94,17 +96,15 @@ class Server:
         )
         if job_name not in _SERVED_JOBS:
             raise UnsupportedError(
-                f"kdist.distribute.Server serves parameter-server tasks only. Received: "
-                f"job_name={job_name!r}. Expected 'ps'. Workers and the chief need no server "
-                "yet: they connect to the parameter servers as clients; the server that lets a "
-                "ClusterCoordinator schedule functions onto workers comes with the "
-                "ClusterCoordinator."
+                f"kdist.distribute.Server serves 'ps' and 'worker' tasks. Received: "
+                f"job_name={job_name!r}. The chief runs the training program (and the "
+                "ClusterCoordinator) and the evaluator runs kdist.SidecarEvaluator; neither serves."
             )
         self._bind_address = resolve_bind_address(bind_address, task_port)
         self._options = _check_options(options)
         self._security = _check_security(security)
         self._lock = threading.Lock()
-        self._variable_server = None
+        self._server = None
         self._stopped = False
         if not isinstance(start, bool):
             raise InvalidArgumentError(f"start must be a bool. Received: start={start!r}.")
@@ -149,7 +149,7 @@ class Server:
     @property
     def bind_address(self):
         """The `"host:port"` the server listens on (port 0 until started, if so configured)."""
-        if self._variable_server is not None:
+        if self._server is not None:
             host, _ = split_address(self._bind_address, "bind_address", allow_port_zero=True)
             return format_address(host, self.port)
         return self._bind_address
@@ -157,8 +157,8 @@ class Server:
     @property
     def port(self):
         """The port the server listens on: the bound port once started."""
-        if self._variable_server is not None:
-            return self._variable_server.port
+        if self._server is not None:
+            return self._server.port
         return split_address(self._bind_address, "bind_address", allow_port_zero=True)[1]
 
     @property
@@ -173,7 +173,7 @@ class Server:
     @property
     def started(self):
         """True while the server is serving (started and not stopped)."""
-        return self._variable_server is not None and not self._stopped
+        return self._server is not None and not self._stopped
 
     def start(self):
         """Starts serving; does nothing when already serving.
@@ -190,13 +190,20 @@ class Server:
                     "A stopped Server cannot be started again. Received: start() after stop() "
                     f"for {self._job_name}:{self._task_index}. Expected a new Server instead."
                 )
-            if self._variable_server is None:
+            if self._server is None:
                 # Imported here so that `import kdist.distribute` does not load gRPC.
-                from kdist.ps import create_server
+                if self._job_name == TaskType.WORKER.value:
+                    from kdist.coordinator import create_worker_server
 
-                self._variable_server = create_server(
-                    self._bind_address, options=self._options, security=self._security
-                )
+                    self._server = create_worker_server(
+                        self._bind_address, self._cluster_spec, self._task_index, security=self._security
+                    )
+                else:
+                    from kdist.ps import create_server
+
+                    self._server = create_server(
+                        self._bind_address, options=self._options, security=self._security
+                    )
         return self
 
     def join(self, timeout=None):
@@ -212,8 +219,8 @@ class Server:
             kdist.errors.UnsupportedError: the server was never started, so
                 nothing could ever stop it.
         """
-        variable_server = self._variable_server
-        if variable_server is None:
+        server = self._server
+        if server is None:
             raise UnsupportedError(
                 "join() waits for a serving Server to stop, but this one was never started. "
                 "Received: Server(..., start=False) without start(). Expected start() first."
@@ -222,7 +229,7 @@ class Server:
             raise InvalidArgumentError(
                 f"timeout must be None or a number of seconds >= 0. Received: timeout={timeout!r}."
             )
-        return variable_server.wait(timeout)
+        return server.wait(timeout)
 
     def stop(self, grace=None):
         """Stops serving and waits until the server has shut down; idempotent.
@@ -233,19 +240,25 @@ class Server:
                 (`kdist.ps.server.DEFAULT_STOP_GRACE_SECONDS`); 0: cancel them.
         """
         with self._lock:
-            variable_server = self._variable_server
+            server = self._server
             already = self._stopped
             self._stopped = True
-        if variable_server is not None and not already:
-            variable_server.stop(grace)
+        if server is not None and not already:
+            server.stop(grace)
 
     def stats(self):
-        """Returns the variable service's `kdist.ps.ServerStats` (this process's view)."""
-        if self._variable_server is None:
+        """Returns the variable service's `kdist.ps.ServerStats` (this process's view).
+
+        A worker's server returns `{"instance_id": ..., "closures_run": n}`.
+        """
+        if self._server is not None and self._job_name == TaskType.WORKER.value:
+            servicer = self._server.servicer
+            return {"instance_id": servicer.instance_id, "closures_run": servicer.closures_run}
+        if self._server is None:
             raise UnsupportedError(
                 "stats() needs a started Server. Received: a Server never started."
             )
-        return self._variable_server.stats()
+        return self._server.stats()
 
     def __enter__(self):
         return self.start()

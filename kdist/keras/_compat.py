@@ -49,6 +49,9 @@ PINNED_INTERNALS = {
     "global_state name_scope_stack": lambda: _probe_name_scope_stack(),
     "BaseOptimizer._clip_gradients": lambda: keras.optimizers.SGD()._clip_gradients,
     "BaseOptimizer._trainable_variables": lambda: keras.optimizers.SGD()._trainable_variables,
+    "Trainer._symbolic_build": lambda: Trainer._symbolic_build,
+    "Trainer._initial_epoch": lambda: keras.Sequential()._initial_epoch,
+    "Trainer._flatten_metrics_in_order": lambda: Trainer._flatten_metrics_in_order,
 }
 
 
@@ -181,3 +184,18 @@ def local_metrics_result(model):
         else:
             results[metric.name] = result
     return results
+
+
+def symbolic_build(model, data_batch):
+    """Builds the model's compiled loss and metrics from a batch's shapes (no computation)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def take_initial_epoch(model, initial_epoch):
+    """The epoch `fit` starts at: the one `BackupAndRestore` restored, else `initial_epoch`."""
+    return model._initial_epoch or initial_epoch
+
+
+def flatten_metrics_in_order(model, logs):
+    """`evaluate`'s non-dict return value: the logs as a list in the model's metric order."""
+    return model._flatten_metrics_in_order(logs)

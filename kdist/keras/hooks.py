@@ -20,7 +20,7 @@ import warnings
 
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, multi_worker, ps_training, replica_engine
+from kdist.keras import _compat, coordinator_runtime, multi_worker, ps_training, replica_engine
 from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution, wrap_optimizer
 
 _SCOPED_METHODS = (
@@ -42,6 +42,8 @@ def install():
     global _installed
     if _installed:
         return
+    # Workers started in this process rebuild Keras models, optimizers and metrics.
+    coordinator_runtime.install()
     trainer = _compat.Trainer
     original_init = trainer.__init__
     original_compile = trainer.compile

@@ -369,6 +369,17 @@ def scoped_call(method, model, name, args, kwargs):
     """Runs `model.<name>` (already inside the strategy's scope) against the parameter servers."""
     session = session_of(model)
     strategy = session.strategy
+    if name in ("fit", "evaluate"):
+        from kdist.keras import coordinator_fit, coordinator_runtime
+
+        if coordinator_runtime.is_coordinator_mode(strategy):
+            # The chief drives the workers; it trains nothing itself.
+            session.check_supported()
+            run = coordinator_fit.fit if name == "fit" else coordinator_fit.evaluate
+            try:
+                return run(model, strategy, *args, **kwargs)
+            finally:
+                session.pull(include_row_sparse=True)
     if name in ("fit", "train_on_batch"):
         session.check_supported()
         ps_embeddings.enable_row_lookups(model, session, _current_step)

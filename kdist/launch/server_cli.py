@@ -74,7 +74,7 @@ def add_parser(commands, count_type, seconds_type):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     task = parser.add_argument_group("the task (default: TF_CONFIG's cluster and task)")
-    task.add_argument("--job", metavar="JOB", help="this task's job; only ps is served so far")
+    task.add_argument("--job", metavar="JOB", help="this task's job: ps (variable service) or worker (runs a coordinator's functions)")
     task.add_argument(
         "--index", type=count_type(0), metavar="N", help="this task's index in its job"
     )
@@ -119,11 +119,11 @@ def prepare(args, environ=None):
             task, unreadable security files, or a job that is not served.
     """
     cluster_spec, job_name, task_index = _task(args, environ)
-    if job_name != "ps":
+    if job_name not in ("ps", "worker"):
         raise InvalidArgumentError(
-            f"kdist server serves parameter-server tasks only. Received: --job {job_name}. "
-            "Expected ps; workers and the chief need no server yet (they are the parameter "
-            "servers' clients); the worker server comes with the ClusterCoordinator."
+            f"kdist server serves 'ps' and 'worker' tasks. Received: --job {job_name}. "
+            "The chief runs the training program (with its ClusterCoordinator) and the "
+            "evaluator runs kdist.SidecarEvaluator; neither serves."
         )
     from kdist.distribute.server import resolve_bind_address
     from kdist.ps.security import Security, load_token

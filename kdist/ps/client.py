@@ -25,6 +25,7 @@ from kdist.ps.values import (
     VariableState,
     VariableStats,
     check_name,
+    check_update_id,
 )
 
 # gRPC retries a call that failed with UNAVAILABLE (server restarting, connection
@@ -196,7 +197,7 @@ class VariableClient:
 
         return self._call("Pull", request, read)
 
-    def push(self, gradients, assignments=()):
+    def push(self, gradients, assignments=(), update_id=None):
         """Applies gradients with the server's optimizer, then assignments.
 
         Each gradient is applied atomically under its variable's lock. The whole
@@ -205,34 +206,57 @@ class VariableClient:
         Args:
             gradients: `DenseGradient`s and `RowGradient`s, one per variable.
             assignments: `Assignment`s (new values) applied after the gradients.
+            update_id: an idempotency key of at most 256 characters, or None
+                (or ""): none. The server applies a push whose `update_id` it
+                has already applied (among its most recent
+                `kdist.ps.store.MAX_REMEMBERED_UPDATES`) only once: a repeat
+                changes nothing and returns the first push's `PushResult`. So a
+                push whose outcome is unknown (its worker died, the connection
+                dropped) can be sent again safely. A push the server refused
+                (`INVALID_ARGUMENT`, ...) does not use up its id.
 
         Returns:
             A `PushResult`.
 
         Raises:
+            kdist.errors.InvalidArgumentError: an `update_id` that is not a
+                string of at most 256 characters.
             kdist.errors.ParameterServerError: `NOT_FOUND` (unknown variable),
                 `INVALID_ARGUMENT` (shape, dtype, row id, non-trainable target,
                 a variable twice), `FAILED_PRECONDITION` (no optimizer).
+
+        Example:
+
+        >>> client.push([DenseGradient("w", gradient)], update_id="closure-17/0")  # doctest: +SKIP
         """
+        check_update_id(update_id)
         metas, arrays = [], []
         for gradient in gradients:
             meta, payload = _gradient_payload(gradient)
             metas.append(meta)
             arrays.extend(payload)
         assignment_metas, assignment_arrays = _assignment_payload(assignments)
-        header = pb.PushHeader(gradients=metas, assignments=assignment_metas)
+        header = pb.PushHeader(gradients=metas, assignments=assignment_metas,
+                               update_id=update_id or "")
         response = self._call("Push", self._stream(header, arrays + assignment_arrays))
         return PushResult(dict(response.versions), tuple(response.rejected),
                           dict(response.staleness))
 
-    def assign(self, assignments):
+    def assign(self, assignments, update_id=None):
         """Replaces variables' values; returns name -> new version.
 
+        Args:
+            assignments: `Assignment`s.
+            update_id: an idempotency key, as in `push` (pushes and assigns
+                share the server's memory of applied ids).
+
         Raises:
+            kdist.errors.InvalidArgumentError: a bad `update_id` (see `push`).
             kdist.errors.ParameterServerError: `NOT_FOUND` or `INVALID_ARGUMENT`.
         """
+        check_update_id(update_id)
         metas, arrays = _assignment_payload(assignments)
-        header = pb.PushHeader(assignments=metas)
+        header = pb.PushHeader(assignments=metas, update_id=update_id or "")
         return dict(self._call("Assign", self._stream(header, arrays)).versions)
 
     def lookup(self, requests):
@@ -327,6 +351,7 @@ class VariableClient:
             bytes_received=response.bytes_received,
             bytes_sent=response.bytes_sent,
             applied_pushes=response.applied_pushes,
+            deduplicated_updates=response.deduplicated_updates,
             staleness=StalenessStats.from_histogram(dict(response.staleness_histogram)),
         )
 

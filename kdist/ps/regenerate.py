@@ -1,15 +1,17 @@
-"""Regenerates the checked-in gRPC stubs from `protos/variable_service.proto`.
+"""Regenerates the checked-in gRPC stubs of kdist's two services.
 
-Run it after editing the `.proto`:
+`kdist/ps/protos/variable_service.proto` (the parameter servers) and
+`kdist/coordinator/protos/worker_service.proto` (the workers a coordinator
+drives). Run it after editing a `.proto`:
 
 ```
-python -m kdist.ps.regenerate              # rewrites kdist/ps/_generated/
-python -m kdist.ps.regenerate --output-dir /tmp/stubs   # e.g. to compare
+python -m kdist.ps.regenerate              # rewrites both _generated/ folders
+python -m kdist.ps.regenerate --output-dir /tmp/stubs   # the variable service, e.g. to compare
 ```
 
 `grpcio-tools` writes `import variable_service_pb2` into the service stub,
 which only works with the output folder on `sys.path`; the import is rewritten
-to be package-relative so the stubs work from `kdist.ps._generated`.
+to be package-relative so the stubs work from their `_generated` package.
 """
 
 import argparse
@@ -21,15 +23,19 @@ PROTO_DIRECTORY = Path(__file__).resolve().parent / "protos"
 PROTO_NAME = "variable_service.proto"
 GENERATED_DIRECTORY = Path(__file__).resolve().parent / "_generated"
 GENERATED_FILES = ("variable_service_pb2.py", "variable_service_pb2_grpc.py")
-_ABSOLUTE_IMPORT = re.compile(r"^import variable_service_pb2 as ", re.MULTILINE)
+_COORDINATOR = Path(__file__).resolve().parents[1] / "coordinator"
+WORKER_PROTO_DIRECTORY = _COORDINATOR / "protos"
+WORKER_GENERATED_DIRECTORY = _COORDINATOR / "_generated"
 
 
-def regenerate(output_directory=GENERATED_DIRECTORY):
+def regenerate(output_directory=GENERATED_DIRECTORY, proto_directory=PROTO_DIRECTORY, proto_name=PROTO_NAME):
     """Generates the stubs into `output_directory` with `grpcio-tools`.
 
     Args:
-        output_directory: the folder that receives `GENERATED_FILES`
+        output_directory: the folder that receives the two stub files
             (created if missing). Defaults to the checked-in `_generated/`.
+        proto_directory, proto_name: the `.proto` to compile (the variable
+            service by default).
 
     Returns:
         The paths of the generated files.
@@ -50,20 +56,26 @@ def regenerate(output_directory=GENERATED_DIRECTORY):
     include = Path(grpc_tools.__file__).resolve().parent / "_proto"
     status = protoc.main([
         "grpc_tools.protoc",
-        f"-I{PROTO_DIRECTORY}",
+        f"-I{proto_directory}",
         f"-I{include}",
         f"--python_out={output_directory}",
         f"--grpc_python_out={output_directory}",
-        str(PROTO_DIRECTORY / PROTO_NAME),
+        str(Path(proto_directory) / proto_name),
     ])
     if status != 0:
-        raise RuntimeError(f"protoc failed with status {status} on {PROTO_DIRECTORY / PROTO_NAME}")
-    service_stub = output_directory / GENERATED_FILES[1]
+        raise RuntimeError(f"protoc failed with status {status} on {Path(proto_directory) / proto_name}")
+    stem = Path(proto_name).stem
+    names = (f"{stem}_pb2.py", f"{stem}_pb2_grpc.py")
+    service_stub = output_directory / names[1]
     text = service_stub.read_text(encoding="utf-8")
-    service_stub.write_text(
-        _ABSOLUTE_IMPORT.sub("from . import variable_service_pb2 as ", text), encoding="utf-8"
-    )
-    return [output_directory / name for name in GENERATED_FILES]
+    absolute_import = re.compile(rf"^import {stem}_pb2 as ", re.MULTILINE)
+    service_stub.write_text(absolute_import.sub(f"from . import {stem}_pb2 as ", text), encoding="utf-8")
+    return [output_directory / name for name in names]
+
+
+def regenerate_worker_service(output_directory=WORKER_GENERATED_DIRECTORY):
+    """Generates the worker service's stubs (see `regenerate`)."""
+    return regenerate(output_directory, WORKER_PROTO_DIRECTORY, "worker_service.proto")
 
 
 def main(argv=None):
@@ -71,7 +83,10 @@ def main(argv=None):
     parser.add_argument("--output-dir", default=str(GENERATED_DIRECTORY),
                         help="where to write the stubs (default: the checked-in kdist/ps/_generated/)")
     arguments = parser.parse_args(argv)
-    for path in regenerate(arguments.output_dir):
+    paths = regenerate(arguments.output_dir)
+    if arguments.output_dir == str(GENERATED_DIRECTORY):
+        paths += regenerate_worker_service()
+    for path in paths:
         print(path)
     return 0
 

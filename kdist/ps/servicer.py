@@ -22,7 +22,7 @@ from kdist.ps.methods import METHODS, SERVICE_NAME
 from kdist.ps.status import FailedPreconditionError, status_code
 from kdist.ps.store import GradientSpec
 from kdist.ps.variable_entry import locked
-from kdist.ps.values import check_name
+from kdist.ps.values import check_name, check_update_id
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class VariableServicer:
                     "An assign request carries no gradients. Received: "
                     f"{len(header.gradients)} gradient(s); push them instead."
                 )
+            check_update_id(header.update_id)
             plans.append(self.store.plan_push(
                 [_gradient_spec(meta) for meta in header.gradients],
                 [(meta.name, *codec.parse_meta(meta.value, f"assignment to {meta.name!r}"))
@@ -149,11 +150,11 @@ class VariableServicer:
                 return self._buffers.take(dtype, shape)
             return None
 
-        _, arrays = codec.read_stream(frames, layout, "push", allocate)
+        header, arrays = codec.read_stream(frames, layout, "push", allocate)
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
         try:
             versions, rejected, staleness = self.store.apply_push(
-                plans[0], arrays, count_push=gradients_allowed)
+                plans[0], arrays, count_push=gradients_allowed, update_id=header.update_id)
         finally:
             for array in arrays[: len(arrays) - len(plans[0].assignments)]:
                 self._buffers.give(array)
@@ -249,6 +250,7 @@ class VariableServicer:
             bytes_received=stats.bytes_received,
             bytes_sent=stats.bytes_sent,
             applied_pushes=stats.applied_pushes,
+            deduplicated_updates=stats.deduplicated_updates,
             staleness_histogram=stats.staleness.histogram,
         )
 

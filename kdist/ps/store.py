@@ -10,7 +10,8 @@ Glossary:
 Thread-safe. Each variable has its own lock; a gradient is applied, or a value
 read, entirely under it. Calls that need several variables at once take their
 locks in sorted name order, so they never deadlock. Requests are validated in
-full before anything changes (see `UpdatePlan`).
+full before anything changes (see `UpdatePlan`). A push that carries an update
+id is applied at most once (see `AppliedUpdateIds`).
 """
 
 import collections
@@ -26,6 +27,15 @@ from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_
 from kdist.ps.status import FailedPreconditionError, NotFoundError
 from kdist.ps.variable_entry import VariableEntry, locked, make_variable
 from kdist.ps.values import ServerStats, StalenessStats, VariableStats
+
+# A server remembers the update ids of this many applied pushes, forgetting the
+# oldest first. A re-run closure re-pushes within seconds or minutes of the
+# first run, long before that many later pushes evict its ids; an entry costs
+# well under a kilobyte (an id of at most 256 characters and a PushResult).
+MAX_REMEMBERED_UPDATES = 65_536
+# How long a push waits for another push with the same update id to finish
+# applying: an in-memory apply, milliseconds normally.
+UPDATE_ID_WAIT_SECONDS = 60.0
 
 
 @dataclasses.dataclass
@@ -49,11 +59,75 @@ class UpdatePlan:
     layout: list  # [(dtype, shape)]
 
 
+class AppliedUpdateIds:
+    """The update ids of a server's most recent applied pushes, with their results. Thread-safe.
+
+    A push that carries an id `claim`s it before applying. The claim returns
+    the first push's result when the id was applied (the push is then a
+    duplicate and applies nothing), waits while another push holds the id, and
+    otherwise holds the id until the push either `record`s its result (it
+    applied) or `release`s the id (it failed and applied nothing, so a corrected
+    retry may apply).
+
+    Args:
+        capacity: how many ids to remember; the oldest is forgotten first.
+    """
+
+    def __init__(self, capacity=MAX_REMEMBERED_UPDATES):
+        self.capacity = capacity
+        self._condition = threading.Condition()  # guards everything below
+        self._results = collections.OrderedDict()  # update id -> result, oldest first
+        self._in_flight = set()
+        self._num_deduplicated = 0
+
+    def claim(self, update_id, timeout=UPDATE_ID_WAIT_SECONDS):
+        """Returns `(True, result)` for an applied id, else `(False, None)`: the caller holds it.
+
+        Raises:
+            FailedPreconditionError: another push held the id for `timeout` seconds.
+        """
+        with self._condition:
+            if not self._condition.wait_for(lambda: update_id not in self._in_flight, timeout):
+                raise FailedPreconditionError(
+                    f"Another push with update_id={update_id!r} has been applying for over "
+                    f"{timeout} s. Retry this push with the same update_id: it is applied "
+                    "once in all."
+                )
+            if update_id in self._results:
+                self._num_deduplicated += 1
+                return True, self._results[update_id]
+            self._in_flight.add(update_id)
+            return False, None
+
+    def record(self, update_id, result):
+        """Remembers that the claimed `update_id` was applied with `result`."""
+        with self._condition:
+            self._in_flight.discard(update_id)
+            self._results[update_id] = result
+            while len(self._results) > self.capacity:
+                self._results.popitem(last=False)
+            self._condition.notify_all()
+
+    def release(self, update_id):
+        """Gives up the claimed `update_id` without remembering it (nothing was applied)."""
+        with self._condition:
+            self._in_flight.discard(update_id)
+            self._condition.notify_all()
+
+    @property
+    def num_deduplicated(self):
+        """How many claims found their id applied."""
+        with self._condition:
+            return self._num_deduplicated
+
+
 class VariableStore:
     """The variables of one server. Thread-safe.
 
     Args:
         max_staleness: reject gradients staler than this; None: apply all.
+        max_remembered_updates: how many update ids of applied pushes to
+            remember for deduplication (`MAX_REMEMBERED_UPDATES`).
 
     Example:
 
@@ -61,8 +135,9 @@ class VariableStore:
     >>> store.create([("w", np.zeros(3, "float32"), True)])  # doctest: +SKIP
     """
 
-    def __init__(self, max_staleness=None):
+    def __init__(self, max_staleness=None, max_remembered_updates=MAX_REMEMBERED_UPDATES):
         self.max_staleness = max_staleness
+        self.update_ids = AppliedUpdateIds(max_remembered_updates)
         self._lock = threading.Lock()  # guards _entries and the counters below
         self._entries = {}
         self._requests = collections.Counter()
@@ -226,8 +301,18 @@ class VariableStore:
             layout.append((dtype, shape))
         return UpdatePlan(list(zip(gradients, gradient_entries)), assignment_entries, layout)
 
-    def apply_push(self, plan, arrays, count_push=True):
-        """Applies a planned push's payload `arrays` (in layout order).
+    def apply_push(self, plan, arrays, count_push=True, update_id=""):
+        """Applies a planned push's payload `arrays` (in layout order), at most once per id.
+
+        Args:
+            plan: the push's `UpdatePlan`.
+            arrays: its payload.
+            count_push: count it in `applied_pushes` when it applies a gradient.
+            update_id: the push's idempotency key; "": none. A push whose id
+                was applied (among the last `max_remembered_updates`) applies
+                nothing and returns the first one's result; of concurrent
+                pushes with one new id, one applies and the others then find
+                it applied. A push that fails does not use up its id.
 
         Returns:
             `(versions, rejected, staleness)` as in `PushResult`.
@@ -235,7 +320,24 @@ class VariableStore:
         Raises:
             kdist.errors.InvalidArgumentError: a row id out of range (checked
                 for every gradient before any is applied).
+            FailedPreconditionError: see `AppliedUpdateIds.claim`.
         """
+        if not update_id:
+            return self._apply_push(plan, arrays, count_push)
+        applied, result = self.update_ids.claim(update_id)
+        if applied:
+            return result
+        try:
+            result = self._apply_push(plan, arrays, count_push)
+        except BaseException:
+            # _apply_push checks the whole push before it changes anything, so
+            # one that raised applied nothing: its id stays free for a retry.
+            self.update_ids.release(update_id)
+            raise
+        self.update_ids.record(update_id, result)
+        return result
+
+    def _apply_push(self, plan, arrays, count_push):
         arrays = iter(arrays)
         dense = []
         for spec, entry in plan.gradients:
@@ -295,6 +397,7 @@ class VariableStore:
                 variables[entry.name] = VariableStats(
                     entry.version, entry.applied_updates, entry.rejected_updates,
                     entry.shape, entry.dtype.name, entry.array.nbytes)
+        deduplicated = self.update_ids.num_deduplicated
         with self._lock:
             return ServerStats(
                 variables=variables,
@@ -302,6 +405,7 @@ class VariableStore:
                 bytes_received=self._bytes_received,
                 bytes_sent=self._bytes_sent,
                 applied_pushes=self._applied_pushes,
+                deduplicated_updates=deduplicated,
                 staleness=StalenessStats.from_histogram(self._staleness),
             )
 

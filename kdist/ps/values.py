@@ -20,6 +20,30 @@ def check_name(name, what="name"):
         )
 
 
+# Update ids are short names ("closure-17/3"); the bound keeps a server's
+# memory of applied ids (kdist.ps.store.MAX_REMEMBERED_UPDATES of them) small.
+MAX_UPDATE_ID_LENGTH = 256
+
+
+def check_update_id(update_id):
+    """Raises InvalidArgumentError unless `update_id` is None or a string of at most 256 characters.
+
+    Example:
+
+    >>> check_update_id("closure-17/0")
+    """
+    if update_id is None or (isinstance(update_id, str)
+                             and len(update_id) <= MAX_UPDATE_ID_LENGTH):
+        return
+    received = (f"{len(update_id)} characters starting {update_id[:40]!r}"
+                if isinstance(update_id, str) else repr(update_id))
+    raise InvalidArgumentError(
+        f"An update_id must be None or a string of at most {MAX_UPDATE_ID_LENGTH} "
+        f"characters. Received: update_id={received}. Use a short name, e.g. "
+        "\"<closure id>/<push index>\"."
+    )
+
+
 def _check_version(version):
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                 or version < 0):
@@ -222,6 +246,9 @@ class ServerStats:
         bytes_received: tensor payload bytes received.
         bytes_sent: tensor payload bytes sent.
         applied_pushes: push calls that applied at least one gradient.
+        deduplicated_updates: pushes and assigns not applied because their
+            `update_id` already had been (each answered with the first one's
+            result).
         staleness: `StalenessStats`.
     """
 
@@ -230,4 +257,5 @@ class ServerStats:
     bytes_received: int
     bytes_sent: int
     applied_pushes: int
+    deduplicated_updates: int
     staleness: StalenessStats

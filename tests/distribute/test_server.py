@@ -53,9 +53,17 @@ def test_job_name_must_be_a_string(job_name):
         Server(CLUSTER, job_name, 0, start=False)
 
 
-def test_worker_server_is_not_supported_yet():
-    with pytest.raises(UnsupportedError, match="ClusterCoordinator"):
-        Server(CLUSTER, "worker", 0, start=False)
+def test_chief_and_evaluator_are_not_served():
+    cluster = {**CLUSTER, "chief": ["127.0.0.1:2225"], "evaluator": ["127.0.0.1:2226"]}
+    for job in ("chief", "evaluator"):
+        with pytest.raises(UnsupportedError, match="'ps' and 'worker'"):
+            Server(cluster, job, 0, start=False)
+
+
+def test_worker_server_serves_the_worker_service():
+    with Server({"ps": ["127.0.0.1:2223"], "worker": ["127.0.0.1:0"]}, "worker", 0) as server:
+        assert server.started and server.port > 0
+        assert server.stats()["closures_run"] == 0
 
 
 def test_task_address_must_be_host_and_port():

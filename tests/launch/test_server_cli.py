@@ -112,12 +112,12 @@ def test_task_must_exist(tmp_path, capsys, monkeypatch):
     assert "task index is out of range" in err
 
 
-def test_only_ps_is_served(tmp_path, capsys, monkeypatch):
-    path = write_cluster(tmp_path, {"ps": ["h:2222"], "worker": ["h:2223"]})
+def test_only_ps_and_workers_are_served(tmp_path, capsys, monkeypatch):
+    path = write_cluster(tmp_path, {"ps": ["h:2222"], "worker": ["h:2223"], "chief": ["h:2224"]})
     err = usage_error(
-        ["server", "--cluster", path, "--job", "worker", "--index", "0"], capsys, monkeypatch
+        ["server", "--cluster", path, "--job", "chief", "--index", "0"], capsys, monkeypatch
     )
-    assert "parameter-server tasks only" in err and "ClusterCoordinator" in err
+    assert "'ps' and 'worker'" in err and "ClusterCoordinator" in err
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,314 @@
+"""`model.fit` and `model.evaluate` on the chief, driving the workers through a coordinator.
+
+Under `ParameterServerStrategy`, on the chief of a cluster with workers (or
+once a `ClusterCoordinator` exists for the strategy), `fit` does not train
+locally. Each epoch is cut into closures of `steps_per_execution` steps
+(kdist packs the steps itself; the torch trainer accepts only 1), scheduled
+onto the workers. A worker runs its copy of the model's own `train_step` on
+each batch — reading the latest variables and pushing gradients to the
+parameter servers — and returns the state of the model's metrics for its
+closure; the chief adds those up, so the logs cover every step once.
+
+Data:
+
+- arrays (`x`, `y`): the chief cuts each epoch into batches (shuffled unless
+  `shuffle=False`) and each closure carries its batches, so every example is
+  seen once per epoch even when a worker dies and its closure runs again.
+  `steps_per_epoch` defaults to the number of batches;
+- a `dataset_fn` (a callable returning a dataset; optionally taking a
+  `kdist.InputContext`) or a `PerWorkerDataset`: each worker builds and
+  iterates its own dataset. `steps_per_epoch` is required — the datasets
+  should repeat forever, so nothing else says where an epoch ends (for
+  `evaluate`, `steps`).
+
+Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
+parameter servers' state (weights and optimizer slots). A tqdm bar shows
+steps, steps/s, and how many closures were retried after worker failures.
+"""
+
+import math
+
+import keras
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from kdist.coordinator import ClusterCoordinator, PerWorkerDataset
+from kdist.errors import InvalidArgumentError, UnsupportedError
+from kdist.keras import _compat
+
+_UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "validation_sample_weight")
+
+
+def coordinator_for(strategy):
+    """The strategy's coordinator, created on first use."""
+    existing = strategy.extended._cluster_coordinator
+    return existing if existing is not None else ClusterCoordinator(strategy)
+
+
+# ----- what a closure runs on a worker -------------------------------------------------
+def run_steps(model, kind, source, steps):
+    """Runs `steps` train or test steps of the worker's `model`; returns its metric state and batch spec.
+
+    `source` is a list of batches (array data carried by the closure) or the
+    worker's iterator of its per-worker dataset.
+    """
+    model.reset_metrics()
+    if kind == "train":
+        function = model.make_train_function()
+        model.train()
+    else:
+        function = model.make_test_function()
+        model.eval()
+    batch = None
+    for step in range(steps):
+        batch = source[step] if isinstance(source, list) else next(source)
+        function([_to_torch(batch)])
+    states = [np.asarray(variable.numpy()) for metric in model.metrics for variable in metric.variables]
+    # An empty batch of the same structure, shapes and dtypes: enough for the
+    # chief to build its own metrics symbolically.
+    spec = keras.tree.map_structure(
+        lambda value: np.zeros((0, *tuple(value.shape)[1:]), dtype=keras.backend.standardize_dtype(value.dtype)),
+        batch)
+    return states, spec
+
+
+def _to_torch(batch):
+    def convert(value):
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value)
+        return value
+
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    return keras.tree.map_structure(convert, batch)
+
+
+# ----- on the chief -------------------------------------------------------------------
+def _merge(model, states, spec):
+    """Adds a closure's metric state into the chief's metrics (building them on first use)."""
+    variables = [variable for metric in model.metrics for variable in metric.variables]
+    if len(variables) != len(states) and spec is not None:
+        _compat.symbolic_build(model, spec)
+        variables = [variable for metric in model.metrics for variable in metric.variables]
+    if len(variables) != len(states):
+        raise InvalidArgumentError(
+            f"The workers' model has {len(states)} metric variables, the chief's {len(variables)}. "
+            "Compile the model in strategy.scope() before fit."
+        )
+    for variable, delta in zip(variables, states):
+        current = np.asarray(variable.numpy())
+        variable.assign(current + delta.astype(current.dtype))
+
+
+def _results(model):
+    logs = {}
+    for name, value in _compat.local_metrics_result(model).items():
+        logs[name] = float(np.asarray(keras.ops.convert_to_numpy(value))) if np.ndim(
+            keras.ops.convert_to_numpy(value)) == 0 else keras.ops.convert_to_numpy(value)
+    return logs
+
+
+class _Source:
+    """Where one pass's batches come from: array batches on the chief, or per-worker iterators."""
+
+    def __init__(self, coordinator, x, y, batch_size, steps, shuffle, what, steps_name):
+        self.iterator = None
+        if callable(x) or isinstance(x, PerWorkerDataset):
+            if y is not None:
+                raise InvalidArgumentError(
+                    f"y must be None when x is a dataset_fn (the dataset yields (x, y)). Received: y of type {type(y).__name__}.")
+            if steps is None:
+                raise InvalidArgumentError(
+                    f"{steps_name} is required when {what} reads per-worker datasets: each worker's dataset "
+                    "should repeat forever, so nothing else says where an epoch ends. Received: "
+                    f"{steps_name}=None. Pass e.g. {steps_name}=100."
+                )
+            self.iterator = iter(coordinator.create_per_worker_dataset(x))
+            self.steps = _positive(steps_name, steps)
+            return
+        if x is None:
+            raise InvalidArgumentError(f"x must be arrays or a dataset_fn. Received: x=None.")
+        arrays = (x, y) if y is not None else (x,)
+        lengths = {len(array) for array in keras.tree.flatten(arrays)}
+        if len(lengths) != 1:
+            raise InvalidArgumentError(f"x and y must have the same number of samples. Received lengths {sorted(lengths)}.")
+        self.arrays = keras.tree.map_structure(np.asarray, arrays)
+        self.num_samples = lengths.pop()
+        self.batch_size = 32 if batch_size is None else _positive("batch_size", batch_size)
+        self.num_batches = math.ceil(self.num_samples / self.batch_size)
+        self.steps = self.num_batches if steps is None else _positive(steps_name, steps)
+        self.shuffle = shuffle
+        self._order = None
+        self._cursor = 0
+
+    def epoch_sources(self, pack):
+        """(steps, source) per closure of one epoch."""
+        chunks = []
+        for begin in range(0, self.steps, pack):
+            count = min(pack, self.steps - begin)
+            chunks.append((begin, count, self.iterator if self.iterator is not None else self._batches(count)))
+        return chunks
+
+    def _batches(self, count):
+        batches = []
+        for _ in range(count):
+            if self._order is None or self._cursor >= self.num_batches:
+                self._order = (np.random.permutation(self.num_samples) if self.shuffle
+                               else np.arange(self.num_samples))
+                self._cursor = 0
+            rows = self._order[self._cursor * self.batch_size:(self._cursor + 1) * self.batch_size]
+            self._cursor += 1
+            batch = keras.tree.map_structure(lambda array: array[rows], self.arrays)
+            batches.append(tuple(batch) if len(batch) > 1 else (batch[0],))
+        return batches
+
+    def reset(self):
+        if self.iterator is None:
+            self._order, self._cursor = None, 0
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer. Received: {name}={value!r}.")
+    return int(value)
+
+
+def _pack(model):
+    return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+
+
+def _run_pass(model, coordinator, kind, chunks, on_begin, on_end, progress):
+    """Schedules every closure of one pass and merges their metric states in order."""
+    values = [(begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count)))
+              for begin, count, source in chunks]
+    logs = {}
+    try:
+        for begin, count, value in values:
+            on_begin(begin)
+            states, spec = value.get()
+            _merge(model, states, spec)
+            logs = _results(model)
+            on_end(begin + count - 1, logs)
+            if progress is not None:
+                stats = coordinator.stats
+                progress.update(count)
+                progress.set_postfix(
+                    {**{k: f"{v:.4g}" for k, v in logs.items() if isinstance(v, float)},
+                     "retried": stats["closures_retried"],
+                     "workers": f"{stats['workers_available']}/{coordinator.num_workers}"},
+                    refresh=False)
+            if model.stop_training:
+                break
+        coordinator.join()
+    except BaseException:
+        # The error was recorded by the coordinator too; clear it so the
+        # coordinator stays usable, and raise it once, from here.
+        try:
+            coordinator.join()
+        except BaseException:
+            pass
+        raise
+    return logs
+
+
+def _progress(verbose, total, description):
+    if verbose == 0:
+        return None
+    return tqdm(total=total, desc=description, unit="step", leave=True, dynamic_ncols=True)
+
+
+def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_data=None, shuffle=True, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1, **kwargs):
+    """`model.fit` on the chief of a coordinator cluster (see the module docstring)."""
+    unsupported = sorted(key for key in kwargs if key in _UNSUPPORTED_FIT and kwargs[key] is not None)
+    unknown = sorted(key for key in kwargs if key not in _UNSUPPORTED_FIT)
+    if unsupported:
+        raise UnsupportedError(
+            f"fit under ParameterServerStrategy with a coordinator does not support {unsupported}. "
+            "Pass validation_data, and weight classes inside dataset_fn."
+        )
+    if unknown:
+        raise InvalidArgumentError(f"fit got unexpected arguments {unknown}.")
+    coordinator = coordinator_for(strategy)
+    source = _Source(coordinator, x, y, batch_size, steps_per_epoch, shuffle, "fit", "steps_per_epoch")
+    verbose = 1 if verbose == "auto" else verbose
+    pack = _pack(model)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=False, verbose=verbose, epochs=epochs,
+            steps=source.steps, model=model)
+    model.stop_training = False
+    callbacks.on_train_begin()
+    training_logs = {}
+    first_epoch = _compat.take_initial_epoch(model, initial_epoch)
+    for epoch in range(first_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        progress = _progress(verbose, source.steps, f"Epoch {epoch + 1}/{epochs}")
+        try:
+            logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack),
+                             callbacks.on_train_batch_begin, callbacks.on_train_batch_end, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        epoch_logs = dict(logs)
+        if validation_data is not None and _should_evaluate(epoch, validation_freq):
+            val_x, val_y = _split_validation(validation_data)
+            val_logs = evaluate(model, strategy, val_x, val_y, batch_size=validation_batch_size or batch_size,
+                                verbose=0, steps=validation_steps, callbacks=callbacks, return_dict=True)
+            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    callbacks.on_train_end(logs=training_logs)
+    return model.history
+
+
+def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
+             callbacks=None, return_dict=False, **kwargs):
+    """`model.evaluate` on the chief of a coordinator cluster: closures of test steps on the workers."""
+    if sample_weight is not None:
+        raise UnsupportedError("evaluate with a coordinator does not support sample_weight; yield it from dataset_fn.")
+    kwargs.pop("_use_cached_eval_dataset", None)
+    if kwargs:
+        raise InvalidArgumentError(f"evaluate got unexpected arguments {sorted(kwargs)}.")
+    coordinator = coordinator_for(strategy)
+    source = _Source(coordinator, x, y, batch_size, steps, False, "evaluate", "steps")
+    verbose = 1 if verbose == "auto" else verbose
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=False, add_progbar=False, verbose=verbose, epochs=1,
+            steps=source.steps, model=model)
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    progress = _progress(verbose, source.steps, "Evaluate")
+    try:
+        logs = _run_pass(model, coordinator, "test", source.epoch_sources(_pack(model)),
+                         callbacks.on_test_batch_begin, callbacks.on_test_batch_end, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    callbacks.on_test_end(logs)
+    if return_dict:
+        return logs
+    return _compat.flatten_metrics_in_order(model, logs)
+
+
+def _should_evaluate(epoch, validation_freq):
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
+
+
+def _split_validation(validation_data):
+    if callable(validation_data) or isinstance(validation_data, PerWorkerDataset):
+        return validation_data, None
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        return validation_data[0], validation_data[1]
+    raise InvalidArgumentError(
+        "validation_data must be (x_val, y_val) arrays or a dataset_fn. Received: "
+        f"{type(validation_data).__name__}."
+    )

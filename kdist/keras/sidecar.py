@@ -1,0 +1,410 @@
+"""`SidecarEvaluator`: evaluates the checkpoints a training job writes, beside the job.
+
+- **Evaluator task**: the optional `"evaluator"` task of a `TF_CONFIG` cluster. It takes
+  no part in training: it never talks to the chief, the workers or the parameter
+  servers, and they never wait for it. It only reads the checkpoint directory the chief
+  writes to, so a missing, slow or dead evaluator never blocks training.
+- **Checkpoint**: one file in that directory whose name matches the evaluator's patterns
+  (`ModelCheckpoint` writes `*.keras` or `*.weights.h5`; `BackupAndRestore` rewrites
+  `latest.weights.h5`). Its identity is `(path, mtime_ns, size)`: a file rewritten at the
+  same path is a new checkpoint.
+- **Stable**: a checkpoint whose identity did not change between two polls. The chief
+  may write files in place (not atomically), so only stable files are loaded.
+- **Evaluation record**: what one evaluation produced; also written beside the
+  checkpoint as `<checkpoint>.eval.json`.
+"""
+
+import fnmatch
+import json
+import logging
+import numbers
+import os
+import tempfile
+import threading
+import time
+import warnings
+
+import keras
+
+from kdist.errors import InvalidArgumentError
+from kdist.keras import hooks
+
+logger = logging.getLogger("kdist.sidecar")
+
+# A checkpoint that fails to load this many times, without changing on disk, is
+# corrupt rather than half-written: the writer would have changed its size or mtime.
+MAX_LOAD_ATTEMPTS = 3
+
+EVALUATION_SUFFIX = ".eval.json"
+
+# Names starting with "." are temporary files: kdist's chief writes
+# `.kdist-tmp-<pid>-<name>` and renames it into place, and this module writes
+# `.<name>.*.eval.json.tmp` the same way.
+_HIDDEN_PREFIX = "."
+
+
+class SidecarEvaluator:
+    """Evaluates each new checkpoint in a directory once, while another job trains.
+
+    TensorFlow's `tf.keras.utils.SidecarEvaluator` for kdist. Run it in the
+    `"evaluator"` task of a cluster (or in any other process that can read the
+    checkpoint directory). It polls `checkpoint_dir` every `poll_interval` seconds;
+    for each new checkpoint, oldest (by mtime) first, it loads the weights into
+    `model` with `model.load_weights`, calls `model.evaluate`, then logs and prints
+    one line (logger `"kdist.sidecar"`) and writes the metrics atomically to
+    `<checkpoint>.eval.json`:
+    `{"checkpoint": name, "mtime_ns": ..., "metrics": {...}, "evaluation": k, "time": ...}`
+    (`k` counts from 1; `time` is Unix time).
+
+    A file is loaded only once it is stable (same size and mtime over two polls).
+    A file that fails to load is tried again on later polls; after
+    `MAX_LOAD_ATTEMPTS` failures of the same unchanged file it is skipped with a
+    warning. A bad file never stops the evaluator.
+
+    Thread safety: `start` runs in one thread at a time; `stop` may be called from
+    any thread.
+
+    Args:
+        model: a compiled `keras.Model` built like the trained one, outside any
+            strategy scope: the evaluator is an ordinary single process.
+        data: what `model.evaluate` accepts as input: a tuple `(x, y)` or
+            `(x, y, sample_weight)` of arrays (unpacked into `x`, `y` and
+            `sample_weight`), a `keras.utils.PyDataset`, a
+            `torch.utils.data.DataLoader`, or a function of no arguments that
+            returns one of those (called once, at the first evaluation).
+        checkpoint_dir: the directory the chief writes checkpoints to. It need not
+            exist yet. Not searched recursively.
+        steps: batches per evaluation, passed to `evaluate`; None for all of `data`.
+        max_evaluations: `start` returns after this many evaluations; None to run
+            until `timeout` or `stop`.
+        callbacks: Keras callbacks passed to every `evaluate` call.
+        poll_interval: seconds between two looks at `checkpoint_dir`.
+        timeout: `start` returns when this many seconds pass without a new
+            checkpoint (counted from `start`, from the last new checkpoint, or
+            from the end of the last evaluation); None to wait forever.
+        pattern: a glob (`fnmatch`) or tuple of globs that checkpoint file names
+            match. Names starting with `.` (temporary files) and ending with
+            `.eval.json` never count.
+
+    Raises:
+        InvalidArgumentError: an argument has the wrong type or value, `model` is
+            not compiled, is attached to a strategy, or `checkpoint_dir` is a file.
+
+    Example:
+
+    ```python
+    import kdist, keras
+
+    resolver = kdist.cluster.TFConfigClusterResolver()
+    if resolver.task_type == "evaluator":
+        model = build_model()  # no strategy scope
+        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        kdist.SidecarEvaluator(model, data=(x_val, y_val), checkpoint_dir="/ckpt").start()
+    else:
+        ...  # train; the chief runs keras.callbacks.ModelCheckpoint("/ckpt/{epoch}.keras")
+    ```
+    """
+
+    def __init__(
+        self,
+        model,
+        data,
+        checkpoint_dir,
+        steps=None,
+        max_evaluations=None,
+        callbacks=None,
+        poll_interval=1.0,
+        timeout=None,
+        pattern=("*.keras", "*.weights.h5"),
+    ):
+        _check_model(model)
+        if data is None:
+            raise _invalid("data", data, "arrays `(x, y)`, a PyDataset, a DataLoader or a function returning one")
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise _invalid("checkpoint_dir", checkpoint_dir, "a str or os.PathLike naming a directory")
+        checkpoint_dir = os.fspath(checkpoint_dir)
+        if not isinstance(checkpoint_dir, str):
+            raise _invalid("checkpoint_dir", checkpoint_dir, "a text path, not bytes")
+        if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+            raise _invalid("checkpoint_dir", checkpoint_dir, "a directory (or where one will be made), not a file")
+        if steps is not None and not _is_positive_int(steps):
+            raise _invalid("steps", steps, "a positive int, or None to evaluate all of `data`")
+        if max_evaluations is not None and not _is_positive_int(max_evaluations):
+            raise _invalid("max_evaluations", max_evaluations, "an int >= 1, or None to run until stopped")
+        if not _is_positive_number(poll_interval):
+            raise _invalid("poll_interval", poll_interval, "a number of seconds > 0")
+        if timeout is not None and not _is_positive_number(timeout):
+            raise _invalid("timeout", timeout, "a number of seconds > 0, or None to wait forever")
+        self._patterns = _check_patterns(pattern)
+        self._callbacks = _check_callbacks(callbacks)
+
+        self.model = model
+        self.checkpoint_dir = checkpoint_dir
+        self.steps = steps
+        self.max_evaluations = max_evaluations
+        self.poll_interval = float(poll_interval)
+        self.timeout = None if timeout is None else float(timeout)
+        self._data_source = data
+        self._data = None
+        self._stopped = threading.Event()
+        self._records = []
+        self._poll_count = 0
+        # path -> (identity, poll it was first seen with that identity)
+        self._sightings = {}
+        # path -> identity last evaluated or skipped there (older ones are gone from disk)
+        self._finished = {}
+        # path -> (identity, failed loads of that identity)
+        self._failures = {}
+
+    @property
+    def records(self):
+        """The evaluation records so far, oldest first (a copy)."""
+        return list(self._records)
+
+    def stop(self):
+        """Makes `start` return after the evaluation in progress, if any. Thread-safe; final."""
+        self._stopped.set()
+
+    def start(self):
+        """Watches the directory and evaluates new checkpoints until a stop condition.
+
+        Blocks until `max_evaluations` evaluations are done, `timeout` seconds pass
+        without a new checkpoint, or `stop` is called.
+
+        Returns:
+            The list of evaluation records, oldest first; each is the
+            `.eval.json` document plus `"path"`, the checkpoint's full path.
+
+        Raises:
+            Whatever `model.evaluate` raises (a problem with `data` or the model,
+            not with a checkpoint).
+        """
+        last_news = time.monotonic()
+        while not self._stopped.is_set() and not self._done():
+            stable, news = self._poll()
+            if news:
+                last_news = time.monotonic()
+            for identity in stable:
+                if self._stopped.is_set() or self._done():
+                    break
+                if self._evaluate(identity):
+                    last_news = time.monotonic()
+            if self._done():
+                break
+            wait = self.poll_interval
+            if self.timeout is not None:
+                remaining = self.timeout - (time.monotonic() - last_news)
+                if remaining <= 0:
+                    break
+                wait = min(wait, remaining)
+            self._stopped.wait(wait)
+        return self.records
+
+    # ----- polling --------------------------------------------------------------------
+    def _done(self):
+        return self.max_evaluations is not None and len(self._records) >= self.max_evaluations
+
+    def _poll(self):
+        """Looks at the directory once.
+
+        Returns:
+            `(stable, news)`: identities that are stable and not yet finished, oldest
+            first; and whether an unfinished identity appeared since the last poll.
+        """
+        self._poll_count += 1
+        current = {}
+        for path in self._checkpoint_paths():
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                continue  # Deleted between listing and stat.
+            current[path] = (path, stat.st_mtime_ns, stat.st_size)
+        news = False
+        stable = []
+        for path, identity in current.items():
+            if self._finished.get(path) == identity:
+                continue
+            seen = self._sightings.get(path)
+            if seen is None or seen[0] != identity:
+                self._sightings[path] = (identity, self._poll_count)
+                news = True
+            elif seen[1] < self._poll_count:
+                stable.append(identity)
+        for path in list(self._sightings):
+            if path not in current:
+                del self._sightings[path]
+        stable.sort(key=lambda identity: (identity[1], identity[0]))
+        return stable, news
+
+    def _checkpoint_paths(self):
+        try:
+            entries = list(os.scandir(self.checkpoint_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return []  # Not made yet: the chief creates it with its first checkpoint.
+        paths = []
+        for entry in entries:
+            name = entry.name
+            if name.startswith(_HIDDEN_PREFIX) or name.endswith(EVALUATION_SUFFIX):
+                continue
+            if not any(fnmatch.fnmatch(name, pattern) for pattern in self._patterns):
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+            except OSError:
+                continue
+            paths.append(entry.path)
+        return sorted(paths)
+
+    # ----- one checkpoint -------------------------------------------------------------
+    def _evaluate(self, identity):
+        """Loads and evaluates one stable checkpoint. Returns True when it was evaluated."""
+        path, mtime_ns, _ = identity
+        if _identity_of(path) != identity:
+            return False  # Rewritten or removed since the poll; a later poll sees the new file.
+        try:
+            self.model.load_weights(path)
+        # Loading a half-written or corrupt file fails with zipfile, h5py, OSError or
+        # ValueError depending on the format and where the bytes stop: any of them
+        # means "not loadable now", and none must stop the evaluator.
+        except Exception as error:  # noqa: BLE001
+            if _identity_of(path) != identity:
+                return False  # Being rewritten: not this file's fault.
+            self._record_failure(identity, error)
+            return False
+        if _identity_of(path) != identity:
+            return False  # Changed while it was read: the weights may be torn.
+
+        if self._data is None:
+            source = self._data_source
+            self._data = source() if _is_data_function(source) else source
+        metrics = _evaluate_model(self.model, self._data, self.steps, self._callbacks)
+        # The loss first, then the metrics in Keras' order.
+        names = sorted(metrics, key=lambda key: key != "loss")
+        metrics = {key: _to_json(metrics[key]) for key in names}
+        name = os.path.basename(path)
+        document = {
+            "checkpoint": name,
+            "mtime_ns": mtime_ns,
+            "metrics": metrics,
+            "evaluation": len(self._records) + 1,
+            "time": time.time(),
+        }
+        _write_json_atomically(path + EVALUATION_SUFFIX, document)
+        self._finished[path] = identity
+        self._failures.pop(path, None)
+        self._records.append(dict(document, path=path))
+        line = f"SidecarEvaluator: evaluated {name}: " + " ".join(
+            f"{key}={_format_metric(value)}" for key, value in metrics.items()
+        )
+        logger.info(line)
+        print(line, flush=True)
+        return True
+
+    def _record_failure(self, identity, error):
+        path = identity[0]
+        previous_identity, count = self._failures.get(path, (None, 0))
+        count = count + 1 if previous_identity == identity else 1
+        self._failures[path] = (identity, count)
+        logger.debug("Loading %s failed (attempt %d): %r", path, count, error)
+        if count >= MAX_LOAD_ATTEMPTS:
+            self._finished[path] = identity
+            del self._failures[path]
+            warnings.warn(
+                f"SidecarEvaluator: skipping checkpoint {path}: it failed to load {count} times "
+                f"without changing on disk ({type(error).__name__}: {error}). It is probably "
+                "corrupt or from a different model; it will be evaluated again only if "
+                "it is rewritten.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+# ----- helpers --------------------------------------------------------------------------
+def _identity_of(path):
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (path, stat.st_mtime_ns, stat.st_size)
+
+
+def _evaluate_model(model, data, steps, callbacks):
+    kwargs = dict(steps=steps, return_dict=True, verbose=0, callbacks=callbacks)
+    # Keras reads a tuple of arrays as a model with several inputs, so `(x, y)` is unpacked.
+    if isinstance(data, tuple) and len(data) in (2, 3):
+        return model.evaluate(*data, **kwargs)
+    return model.evaluate(data, **kwargs)
+
+
+def _is_data_function(data):
+    return callable(data) and not isinstance(data, (tuple, list, keras.utils.PyDataset))
+
+
+def _write_json_atomically(path, document):
+    directory, name = os.path.split(path)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f"{_HIDDEN_PREFIX}{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(document, file, indent=2)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _to_json(value):
+    if isinstance(value, numbers.Number):
+        return float(value)
+    array = keras.ops.convert_to_numpy(value)
+    return array.item() if array.ndim == 0 else array.tolist()
+
+
+def _format_metric(value):
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _is_positive_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _is_positive_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+
+
+def _invalid(name, value, expected):
+    return InvalidArgumentError(
+        f"SidecarEvaluator got an invalid `{name}`. Received: {name}={value!r}. Expected {expected}."
+    )
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise _invalid("model", model, "a keras.Model")
+    if not getattr(model, "compiled", False):
+        raise InvalidArgumentError(
+            f"SidecarEvaluator needs a compiled model: it calls `model.evaluate`. Received: "
+            f"model={model.name!r}, which is not compiled. Call `model.compile(loss=..., metrics=...)` first."
+        )
+    strategy = hooks.strategy_of(model)
+    if strategy is not None:
+        raise InvalidArgumentError(
+            f"SidecarEvaluator got a model attached to a strategy. Received: model={model.name!r} "
+            f"created or compiled in the scope of {strategy!r}. The evaluator is an ordinary "
+            "process: build and compile its model outside any strategy scope."
+        )
+
+
+def _check_patterns(pattern):
+    patterns = (pattern,) if isinstance(pattern, str) else pattern
+    if not isinstance(patterns, (tuple, list)) or not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise _invalid("pattern", pattern, 'a glob such as "*.keras", or a non-empty tuple of them')
+    return tuple(patterns)
+
+
+def _check_callbacks(callbacks):
+    if callbacks is None:
+        return None
+    if not isinstance(callbacks, (list, tuple)) or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks):
+        raise _invalid("callbacks", callbacks, "None or a list of keras.callbacks.Callback")
+    return list(callbacks)
