@@ -38,7 +38,9 @@ from kdist.distribute import (  # noqa: E402
     in_cross_replica_context,
     partitioners,
 )
+from kdist import coordinator  # noqa: E402
 from kdist.keras import hooks as _keras_hooks  # noqa: E402
+from kdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from kdist.types import ReduceOp, VariableAggregation  # noqa: E402
 
 _keras_hooks.install()
@@ -58,11 +60,13 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "SidecarEvaluator",
     "Strategy",
     "StrategyExtended",
     "ValueContext",
     "VariableAggregation",
     "cluster",
+    "coordinator",
     "distribute",
     "errors",
     "get_cross_replica_context",

@@ -26,6 +26,7 @@ parameter servers' state (weights and optimizer slots). A tqdm bar shows
 steps, steps/s, and how many closures were retried after worker failures.
 """
 
+import contextlib
 import math
 
 import keras
@@ -172,6 +173,24 @@ def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive integer. Received: {name}={value!r}.")
     return int(value)
+
+
+@contextlib.contextmanager
+def one_step_per_execution(model):
+    """Runs the block with `model.steps_per_execution == 1` when torch would reject more."""
+    packed = getattr(model, "steps_per_execution", 1)
+    if packed == 1 or not _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION:
+        yield
+        return
+    model.steps_per_execution = 1
+    for kind in ("train", "test", "predict"):
+        setattr(model, f"{kind}_function", None)
+    try:
+        yield
+    finally:
+        model.steps_per_execution = packed
+        for kind in ("train", "test", "predict"):
+            setattr(model, f"{kind}_function", None)
 
 
 def _pack(model):

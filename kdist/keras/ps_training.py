@@ -380,6 +380,18 @@ def scoped_call(method, model, name, args, kwargs):
                 return run(model, strategy, *args, **kwargs)
             finally:
                 session.pull(include_row_sparse=True)
+    if name in ("predict", "predict_on_batch", "test_on_batch", "train_on_batch"):
+        from kdist.keras import coordinator_fit
+
+        # `steps_per_execution` packs coordinator closures; the chief's own
+        # torch steps accept only 1.
+        with coordinator_fit.one_step_per_execution(model):
+            return _scoped_local_call(method, model, session, name, args, kwargs)
+    return _scoped_local_call(method, model, session, name, args, kwargs)
+
+
+def _scoped_local_call(method, model, session, name, args, kwargs):
+    strategy = session.strategy
     if name in ("fit", "train_on_batch"):
         session.check_supported()
         ps_embeddings.enable_row_lookups(model, session, _current_step)

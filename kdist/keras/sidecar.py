@@ -262,6 +262,11 @@ class SidecarEvaluator:
         path, mtime_ns, _ = identity
         if _identity_of(path) != identity:
             return False  # Rewritten or removed since the poll; a later poll sees the new file.
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built and self.model.built:
+            # Checkpoints carry the optimizer's slots; with the optimizer built
+            # they load quietly (evaluation does not use them).
+            optimizer.build(self.model.trainable_variables)
         try:
             self.model.load_weights(path)
         # Loading a half-written or corrupt file fails with zipfile, h5py, OSError or

@@ -126,8 +126,8 @@ def _add_launch_arguments(parser):
     local.add_argument(
         "--daemon-jobs",
         metavar="JOBS",
-        help="comma-separated jobs that serve until stopped (default: ps with --workers, none with "
-        "--cluster); e.g. ps,worker when workers only serve a coordinator",
+        help="comma-separated jobs that serve until stopped (default: ps with --workers, ps and "
+        "worker with --chief --ps, where the chief is the coordinator; none with --cluster)",
     )
 
     job = parser.add_argument_group("the job")

@@ -23,6 +23,9 @@ from kdist.launch.spec import ProcessSpec
 LOCAL_HOST = "127.0.0.1"
 # Jobs that serve until stopped in a local cluster (`--workers` mode).
 DEFAULT_DAEMON_JOBS = ("ps",)
+# With a chief and parameter servers, the chief is the coordinator: workers
+# only serve the functions it schedules.
+COORDINATOR_DAEMON_JOBS = ("ps", "worker")
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 
@@ -159,7 +162,8 @@ def _local_cluster_specs(args, command):
             "--workers", f"needs at least one worker (or --chief). Received: {args.workers}."
         )
     cluster = task_env.local_cluster(args.workers, num_ps, args.chief, args.evaluator, LOCAL_HOST)
-    daemon_jobs = _daemon_jobs(args, cluster, default=DEFAULT_DAEMON_JOBS)
+    coordinated = args.chief and num_ps > 0
+    daemon_jobs = _daemon_jobs(args, cluster, default=COORDINATOR_DAEMON_JOBS if coordinated else DEFAULT_DAEMON_JOBS)
     return [
         ProcessSpec(
             task_env.task_name(*task),

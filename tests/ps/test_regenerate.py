@@ -30,3 +30,13 @@ def test_method_table_matches_the_generated_stub():
     assert hasattr(stubs, "VariableServiceStub")
     assert set(METHODS) == {name for name in dir(stubs.VariableServiceServicer)
                             if not name.startswith("_")}
+
+
+def test_checked_in_worker_service_stubs_are_up_to_date(tmp_path):
+    for path in regenerate.regenerate_worker_service(tmp_path):
+        checked_in = regenerate.WORKER_GENERATED_DIRECTORY / path.name
+        assert checked_in.read_text(encoding="utf-8") == path.read_text(encoding="utf-8"), (
+            f"kdist/coordinator/_generated/{path.name} is stale: run `python -m kdist.ps.regenerate`."
+        )
+    text = (regenerate.WORKER_GENERATED_DIRECTORY / "worker_service_pb2_grpc.py").read_text()
+    assert "from . import worker_service_pb2" in text
