@@ -19,8 +19,10 @@ One script for every task of the cluster:
 
 The chief prints one JSON line and exits non-zero below `--min-accuracy`.
 
-Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-21): see the
-numbers printed by `--small` in the README's "Coordinator" section.
+Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-21): `--small`
+(6 epochs of 60 steps, 10 steps per closure, 2 workers) reaches a test accuracy
+of 0.9; the chief's part takes about 9 s, and the evaluator reports each of
+the 6 checkpoints once.
 """
 
 import os
@@ -34,12 +36,10 @@ import time  # noqa: E402
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 from mirrored_digits import NUM_CLASSES, make_digits  # noqa: E402  (same directory)
-
-BATCH_SIZE = 32
-
+# Each worker's endless stream of batches (workers import it from that module).
+from ps_coordinator_custom_loop import dataset_fn  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,18 +53,6 @@ def parse_args(argv=None):
     if args.small:
         args.epochs, args.steps_per_epoch = min(args.epochs, 6), min(args.steps_per_epoch, 60)
     return args
-
-
-def dataset_fn(input_context):
-    """Runs on each worker: an endless, shuffled stream of (x, y) batches of its own data."""
-    seed = 10 + input_context.input_pipeline_id
-    x, y = make_digits(2048, seed=seed)
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(x))
-        for start in range(0, len(x) - BATCH_SIZE + 1, BATCH_SIZE):
-            rows = order[start:start + BATCH_SIZE]
-            yield x[rows], y[rows]
 
 
 def build_model():

@@ -257,7 +257,15 @@ class _Dispatcher:
         self.index = index
         self.address = address
         security = coordinator._security
-        options = grpc_options() + [("grpc.enable_http_proxy", 0)] + list(security.channel_options())
+        # A lost worker is called every `worker_retry_seconds`: its channel must
+        # try to reconnect as often, not after gRPC's default backoff of up to
+        # 120 s, or a restarted worker waits that long for work.
+        reconnect_ms = max(100, int(coordinator._worker_retry_seconds * 1000))
+        options = grpc_options() + [
+            ("grpc.enable_http_proxy", 0),
+            ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+            ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+        ] + list(security.channel_options())
         credentials = security.channel_credentials()
         self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
                          else grpc.secure_channel(address, credentials, options=options))

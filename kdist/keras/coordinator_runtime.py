@@ -267,6 +267,10 @@ class KerasWorkerRuntime(WorkerRuntime):
     def metric_state(self, metric):
         return [np.asarray(variable.numpy()) for variable in metric.variables]
 
+    def close(self):
+        if self.strategy is not None:
+            self.strategy.extended.remote_variables.close()
+
 
 def _takes_argument(function):
     try:

@@ -70,3 +70,12 @@ def make_step_with_pid(worker_fn):
         return os.getpid(), worker_fn(iterator)
 
     return step
+
+
+def hold(address):
+    """Keeps its worker busy until the test closes the connection it opened to `address`."""
+    with socket.create_connection(address, timeout=5.0) as connection:
+        connection.sendall(f"{os.getpid()}\n".encode())
+        connection.settimeout(HOLD_SECONDS)
+        connection.recv(1)
+    return "released"

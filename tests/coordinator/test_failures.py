@@ -5,8 +5,11 @@ servers are killed with SIGKILL, as a crashed or preempted machine would be.
 """
 
 import contextlib
+import json
 import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,14 +18,19 @@ import kdist.coordinator
 import keras
 from kdist.coordinator import RemoteValueStatus
 from kdist.errors import CancelledError, OutOfRangeError, RemoteFunctionError, RemoteTraceback
+from tests import harness
 from tests.coordinator import _cluster, _failing, _functions
 
-# An unfailed run of the same custom loop (3 workers, 90 steps) reaches about
-# 0.9 test accuracy; well above chance (0.1), with room for the asynchrony.
-MIN_ACCURACY = 0.8
+CHIEF_SCRIPT = Path(__file__).with_name("_fit_chief.py")
+
+# An unfailed run of the same custom loop (3 workers, 90 steps, measured the
+# same way) reaches about 0.6 test accuracy, 0.75 after 180 steps: three
+# workers pushing Adam steps asynchronously learn slower per step than two.
+# Five times chance (0.1), with room for the asynchrony.
+MIN_ACCURACY = 0.5
 # How long a restarted worker may take to get work again: its dispatcher calls
 # it every `worker_retry_seconds`, and it imports Keras and torch first.
-RESTART_SECONDS = 90.0
+RESTART_SECONDS = 20.0
 
 
 def _train_state(strategy):
@@ -111,3 +119,165 @@ def test_killed_worker_mid_closure_every_step_applied_once_and_restarted_worker_
         coordinator.shutdown()
     assert held_pid not in pids
     assert {v.applied_updates for v in ps_stats.variables.values()} == {steps + extra_steps}
+
+
+# ----- parameter server failures --------------------------------------------------------
+PS_UNAVAILABLE_SECONDS = 5.0
+# The documented bound is `ps_unavailable_seconds` plus one health-check round
+# (1 s period, 2 s deadline); the rest is slack for two busy cores.
+PS_DETECTION_BOUND = PS_UNAVAILABLE_SECONDS + 30.0
+
+
+@pytest.mark.timeout(180)
+def test_killed_ps_raises_parameter_server_unavailable_within_the_bound(tmp_path):
+    with _cluster.start(num_workers=2, num_ps=1, tmp_path=tmp_path) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        coordinator = kdist.coordinator.ClusterCoordinator(strategy, ps_unavailable_seconds=PS_UNAVAILABLE_SECONDS)
+        iterator = iter(coordinator.create_per_worker_dataset(_functions.dataset_fn))
+        _, _, _, worker_fn = _train_state(strategy)
+        values = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(400)]
+        values[20].get(timeout=120)
+        cluster.kill("ps", 0)
+        killed_at = time.monotonic()
+        # Reported by a worker whose pull or push failed.
+        with pytest.raises(kdist.errors.ParameterServerUnavailableError) as raised:
+            coordinator.join()
+        worker_detection = time.monotonic() - killed_at
+        assert raised.value.address == cluster.spec["ps"][0]
+        assert any(value.status is RemoteValueStatus.CANCELLED for value in values)
+        coordinator.shutdown()
+
+        # Workers busy with functions that never reach the parameter server:
+        # the coordinator's own health checks notice the outage.
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        coordinator = kdist.coordinator.ClusterCoordinator(strategy, ps_unavailable_seconds=PS_UNAVAILABLE_SECONDS)
+        started = time.monotonic()
+        for _ in range(coordinator.num_workers):
+            coordinator.schedule(_failing.work, args=(PS_UNAVAILABLE_SECONDS + 5.0, None))
+        with pytest.raises(kdist.errors.ParameterServerUnavailableError):
+            coordinator.join()
+        watchdog_detection = time.monotonic() - started
+        coordinator.shutdown()
+    print(f"ps failure detected after {worker_detection:.1f} s by a worker, "
+          f"{watchdog_detection:.1f} s by the health checks")
+    assert worker_detection < PS_DETECTION_BOUND
+    assert PS_UNAVAILABLE_SECONDS <= watchdog_detection < PS_DETECTION_BOUND
+
+
+def _chief_spec(name, cluster, backup_dir, epochs, pause_port=0, pause_after_epoch=0):
+    command = [sys.executable, str(CHIEF_SCRIPT), "--cluster", str(cluster.cluster_file),
+               "--backup-dir", str(backup_dir), "--epochs", str(epochs),
+               "--ps-unavailable-seconds", str(PS_UNAVAILABLE_SECONDS),
+               "--pause-after-epoch", str(pause_after_epoch), "--pause-port", str(pause_port)]
+    return harness.ProcessSpec(name, tuple(command), {}, cwd=str(harness.REPO_ROOT))
+
+
+def _history(output):
+    [line] = [line for line in output.splitlines() if line.startswith("history ")]
+    return json.loads(line[len("history "):])
+
+
+@pytest.mark.timeout(240)
+def test_chief_relaunched_after_ps_failure_resumes_from_backup(tmp_path):
+    epochs, pause_after_epoch = 4, 2
+    backup_dir = tmp_path / "backup"
+    with _cluster.start(num_workers=2, num_ps=1, tmp_path=tmp_path) as cluster, _listener() as listener:
+        with harness.start([_chief_spec("chief-0", cluster, backup_dir, epochs, listener.getsockname()[1],
+                                        pause_after_epoch)]) as first:
+            connection, _ = listener.accept()
+            with connection:
+                assert connection.makefile().readline().strip() == f"epoch {pause_after_epoch} done"
+                cluster.kill("ps", 0)
+                killed_at = time.monotonic()
+            returncode = first.wait_for_exit("chief-0", timeout=PS_DETECTION_BOUND + 30)
+            exit_time = time.monotonic() - killed_at
+            first_output = first.output("chief-0")
+        assert returncode not in (None, 0), first_output
+        assert "ParameterServerUnavailableError" in first_output, first_output
+        assert exit_time < PS_DETECTION_BOUND, (exit_time, first_output)
+        first_losses = [float(line.split("loss=")[1]) for line in first_output.splitlines()
+                        if line.startswith("epoch ")]
+        assert len(first_losses) == pause_after_epoch, first_output
+
+        # A fresh parameter server on the same port; the workers stayed up.
+        cluster.restart("ps", 0)
+        second = harness.run([_chief_spec("chief-0", cluster, backup_dir, epochs)], timeout=150).check()
+        history = _history(second.output("chief-0"))
+    print(f"chief exited {exit_time:.1f} s after the ps was killed; first run's losses {first_losses}, "
+          f"resumed run: {history}")
+    # Resumed after the last backed-up epoch, from the backed-up weights.
+    assert history["epochs"] == list(range(pause_after_epoch, epochs))
+    assert len(history["loss"]) == epochs - pause_after_epoch
+    assert history["loss"][0] < first_losses[0]
+
+
+# ----- functions that raise ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with _cluster.start(num_workers=2, num_ps=1, tmp_path=tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def coordinator(cluster):
+    strategy = kdist.ParameterServerStrategy(cluster.resolver())
+    coordinator = kdist.coordinator.ClusterCoordinator(strategy)
+    yield coordinator
+    coordinator.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_raising_function_reraises_with_worker_traceback_and_cancels_the_queue(coordinator):
+    with _listener() as listener:
+        # One worker is kept busy, so the closures behind the failing one are
+        # still queued when it fails.
+        held = coordinator.schedule(_failing.hold, args=(listener.getsockname(),))
+        connection, _ = listener.accept()
+        with connection:
+            failing = coordinator.schedule(_functions.fail, args=("boom",))
+            queued = [coordinator.schedule(_failing.work, args=(0.0, index)) for index in range(5)]
+            with pytest.raises(ValueError, match="boom") as raised:
+                coordinator.join()
+    cause = raised.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "in fail" in cause.traceback and "ValueError: boom" in cause.traceback
+    assert failing.status is RemoteValueStatus.FAILED
+    with pytest.raises(ValueError, match="boom"):
+        failing.fetch()
+    for value in queued:
+        assert value.status is RemoteValueStatus.CANCELLED
+        with pytest.raises(CancelledError):
+            value.fetch()
+    # The closure that was running when the other failed still finishes, and
+    # the coordinator takes new work.
+    assert held.get(timeout=60) == "released"
+    after = coordinator.schedule(_failing.work, args=(0.0, 7))
+    coordinator.join()
+    assert after.fetch() == 7
+
+
+@pytest.mark.timeout(120)
+def test_unpicklable_exception_becomes_remote_function_error(coordinator):
+    coordinator.schedule(_failing.raise_unpicklable, args=("cannot travel",))
+    with pytest.raises(RemoteFunctionError) as raised:
+        coordinator.join()
+    error = raised.value
+    assert error.error_type == "tests.coordinator._failing.UnpicklableError"
+    assert "in raise_unpicklable" in error.traceback
+    assert "cannot travel" in str(error)
+    assert error.worker in coordinator.strategy.extended.cluster_resolver.cluster_spec().job_tasks("worker")
+
+
+@pytest.mark.timeout(120)
+def test_exhausted_per_worker_iterator_raises_out_of_range(coordinator):
+    def two_items():
+        return [1, 2]
+
+    iterator = iter(coordinator.create_per_worker_dataset(two_items))
+    # Two workers, two items each: a fifth next() runs out wherever it runs.
+    for _ in range(5):
+        coordinator.schedule(next, args=(iterator,))
+    with pytest.raises(OutOfRangeError) as raised:
+        coordinator.join()
+    assert isinstance(raised.value.__cause__, RemoteTraceback)
+    assert "StopIteration" in raised.value.__cause__.traceback
