@@ -94,17 +94,18 @@ class ParameterServerUnavailableError(KdistError, ConnectionError):
 
     Attributes:
         address: the server's `"host:port"`.
-        deadline_seconds: how long the call was allowed to take.
+        deadline_seconds: how long the call was allowed to take (None when
+            another process reported the outage).
         detail: gRPC's description of the failure (for people, not for code).
     """
 
     retryable = True
 
     def __init__(self, address, deadline_seconds, detail=""):
+        within = "" if deadline_seconds is None else f" within {deadline_seconds:g} seconds"
         message = (
-            f"The parameter server at {address} could not be reached within "
-            f"{deadline_seconds:g} seconds. Check that it is running and that the address "
-            "is right; the call may be retried."
+            f"The parameter server at {address} could not be reached{within}. Check that it "
+            "is running and that the address is right; the call may be retried."
         )
         if detail:
             message += f" gRPC said: {detail}"
@@ -145,9 +146,10 @@ class UnauthenticatedError(ParameterServerError):
 class WorkerUnavailableError(KdistError, ConnectionError):
     """A worker could not be reached, or died while running a closure.
 
-    Retryable: the coordinator puts the worker's closure back in its queue for
-    another worker and keeps calling the worker until it comes back. User code
-    sees it only from a `RemoteValue` whose closure is being retried.
+    Retryable: the coordinator catches it, puts the worker's closure back in
+    its queue for another worker, and keeps calling the worker until it comes
+    back. User code does not see it (the closure's `RemoteValue` reads
+    `ABORTED` meanwhile).
 
     Attributes:
         address: the worker's `"host:port"`.

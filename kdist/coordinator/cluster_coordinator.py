@@ -241,10 +241,6 @@ class _Queue:
             self._condition.notify_all()
 
 
-class _WorkerLost(Exception):
-    pass
-
-
 class _Redefine(Exception):
     pass
 
@@ -272,7 +268,9 @@ class _Dispatcher:
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
         self._metadata = tuple(security.call_metadata())
         self.instance_id = None
-        self.defined = set()
+        # Ids of the resources defined in our session there; None until the
+        # session is open (a Define opens it, even with no resources).
+        self.defined = None
         self.available = False
         self.failures = 0
         self.thread = threading.Thread(target=self._loop, name=f"kdist-dispatch-{index}", daemon=True)
@@ -290,7 +288,7 @@ class _Dispatcher:
                 return
             try:
                 self._process(closure)
-            except _WorkerLost:
+            except WorkerUnavailableError:
                 self.failures += 1
                 self.coordinator._count("worker_failures")
                 self.coordinator._count("closures_retried")
@@ -299,8 +297,11 @@ class _Dispatcher:
                 queue.put_back(closure)
                 continue
             except _Redefine:
+                # The worker lost our session or a resource (another session
+                # replaced ours): open it and define everything again.
                 self.coordinator._count("closures_retried")
                 self.instance_id = None
+                self.defined = None
                 queue.put_back(closure)
                 continue
             except Exception as error:  # a fatal error: fail the closure, cancel the rest
@@ -319,7 +320,7 @@ class _Dispatcher:
             time.sleep(self.coordinator._worker_retry_seconds)
             return False
         if response.instance_id != self.instance_id:
-            self.defined = set()
+            self.defined = None
         self.instance_id = response.instance_id
         self.available = True
         return True
@@ -330,7 +331,7 @@ class _Dispatcher:
         except grpc.RpcError as error:
             code = error.code()
             if code in _WORKER_LOST:
-                raise _WorkerLost(error.details()) from None
+                raise WorkerUnavailableError(self.address, error.details()) from None
             if code in _REDEFINE:
                 raise _Redefine(error.details()) from None
             raise WorkerError(self.address, code.name, error.details()) from None
@@ -341,23 +342,23 @@ class _Dispatcher:
         function_payload, referenced = coordinator._registry.dumps(
             (closure.function, _resolve_remote_values(closure.args), _resolve_remote_values(closure.kwargs)))
         needed = coordinator._registry.closure(referenced)
-        missing = [resource_id for resource_id in needed if resource_id not in self.defined]
-        if missing:
+        defined = set() if self.defined is None else self.defined
+        missing = [resource_id for resource_id in needed if resource_id not in defined]
+        if missing or self.defined is None:
             resources = []
             for resource_id in missing:
                 resource = coordinator._registry.get(resource_id)
                 resources.append(pb.Resource(id=resource.id, kind=resource.kind, spec=resource.spec))
             self._call(self._stub.Define, pb.DefineRequest(
                 session_id=coordinator._session_id, instance_id=self.instance_id, resources=resources))
-            self.defined.update(missing)
+            self.defined = defined | set(missing)
         metric_ids = [resource_id for resource_id in needed if coordinator._registry.get(resource_id).merge is not None]
         response = self._call(self._stub.Run, pb.RunRequest(
             session_id=coordinator._session_id, instance_id=self.instance_id, closure_id=closure.id,
             function=function_payload, metric_ids=metric_ids))
         if response.outcome == pb.RunResponse.PS_UNAVAILABLE:
             raise ParameterServerUnavailableError(
-                response.ps_address, coordinator._ps_unavailable_seconds,
-                f"reported by the worker at {self.address}: {response.error_message}")
+                response.ps_address, None, f"reported by the worker at {self.address}: {response.error_message}")
         if response.outcome == pb.RunResponse.FUNCTION_ERROR:
             raise _rebuild_error(response, self.address)
         result = payload.loads(response.result)

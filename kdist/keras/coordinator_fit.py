@@ -74,6 +74,10 @@ def run_steps(model, kind, source, steps):
     return states, spec
 
 
+# Each step's train/test function pulls what changed first: no pull before the closure.
+run_steps.kdist_reads_variables_itself = True
+
+
 def _to_torch(batch):
     def convert(value):
         if isinstance(value, np.ndarray):
@@ -105,8 +109,8 @@ def _merge(model, states, spec):
 def _results(model):
     logs = {}
     for name, value in _compat.local_metrics_result(model).items():
-        logs[name] = float(np.asarray(keras.ops.convert_to_numpy(value))) if np.ndim(
-            keras.ops.convert_to_numpy(value)) == 0 else keras.ops.convert_to_numpy(value)
+        array = keras.ops.convert_to_numpy(value)
+        logs[name] = float(array) if np.ndim(array) == 0 else array
     return logs
 
 
@@ -129,7 +133,7 @@ class _Source:
             self.steps = _positive(steps_name, steps)
             return
         if x is None:
-            raise InvalidArgumentError(f"x must be arrays or a dataset_fn. Received: x=None.")
+            raise InvalidArgumentError("x must be arrays or a dataset_fn. Received: x=None.")
         arrays = (x, y) if y is not None else (x,)
         lengths = {len(array) for array in keras.tree.flatten(arrays)}
         if len(lengths) != 1:
@@ -220,13 +224,15 @@ def _run_pass(model, coordinator, kind, chunks, on_begin, on_end, progress):
             if model.stop_training:
                 break
         coordinator.join()
-    except BaseException:
-        # The error was recorded by the coordinator too; clear it so the
-        # coordinator stays usable, and raise it once, from here.
+    except Exception as error:
+        # The coordinator recorded the first fatal error (a closure that was
+        # cancelled because of it raises CancelledError here): raise that root
+        # cause, once, and leave the coordinator usable.
         try:
             coordinator.join()
-        except BaseException:
-            pass
+        except Exception as root:
+            if root is not error:
+                raise root from None
         raise
     return logs
 

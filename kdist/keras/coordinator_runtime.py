@@ -22,7 +22,9 @@ sent once per worker as a resource:
 
 On the worker (`KerasWorkerRuntime`): resources are rebuilt as above, and every
 closure runs inside the worker strategy's scope after one pull of the latest
-values (one request per parameter server), with idempotency keys derived
+values (one request per parameter server; skipped for functions marked
+`kdist_reads_variables_itself`, such as `fit`'s closures, whose every step
+pulls), with idempotency keys derived
 from the closure id on every push, so a closure re-run after a worker died
 does not apply the updates of the first run twice.
 """
@@ -261,7 +263,8 @@ class KerasWorkerRuntime(WorkerRuntime):
             return function(*args, **kwargs)
         store = self.strategy.extended.remote_variables
         with self.strategy.scope(), store.idempotent_updates(closure_id):
-            store.pull(store.entries(self._variables))
+            if not getattr(function, "kdist_reads_variables_itself", False):
+                store.pull(store.entries(self._variables))
             return function(*args, **kwargs)
 
     def metric_state(self, metric):

