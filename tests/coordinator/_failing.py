@@ -9,6 +9,9 @@ import os
 import socket
 import threading
 import time
+import uuid
+
+import kdist
 
 # How long a held closure waits for the test to kill its worker; a test that
 # forgot to kill it fails on its own timeout long before this.
@@ -37,7 +40,7 @@ def pid():
     return os.getpid()
 
 
-def make_held_step(worker_fn, hold_address):
+def make_held_step(worker_fn, hold_address, fresh_update_ids=False):
     """`worker_fn` wrapped to report its worker's pid and hold, after its pushes, when `hold` is true.
 
     A held closure connects to `hold_address` (the test's listening socket),
@@ -45,10 +48,19 @@ def make_held_step(worker_fn, hold_address):
     its updates already reached the parameter servers, its result never
     reaches the coordinator. When the test no longer listens (the retry of
     the same closure on another worker), the closure just returns.
+
+    `fresh_update_ids=True` is the negative control: every run pushes under
+    new idempotency keys, as if keys were not derived from the closure, so a
+    retried closure's updates count twice.
     """
 
     def step(iterator, hold=False):
-        loss = worker_fn(iterator)
+        if fresh_update_ids:
+            store = kdist.get_strategy().extended.remote_variables
+            with store.idempotent_updates(uuid.uuid4().hex):
+                loss = worker_fn(iterator)
+        else:
+            loss = worker_fn(iterator)
         if hold:
             try:
                 connection = socket.create_connection(hold_address, timeout=5.0)

@@ -66,15 +66,20 @@ def _listener():
         listener.close()
 
 
-@pytest.mark.timeout(240)
-def test_killed_worker_mid_closure_every_step_applied_once_and_restarted_worker_gets_work(tmp_path):
-    steps, held_step = 90, 30
+@contextlib.contextmanager
+def _a_worker_killed_mid_closure(tmp_path, steps, held_step, fresh_update_ids=False):
+    """3 workers train `steps` closures; the worker running closure `held_step` dies after its push.
+
+    Yields `(cluster, coordinator, worker_fn, iterator, killed index, facts)`
+    once `join()` returned; `facts` holds the coordinator's and the ps's
+    stats, the chief's accuracy count and the test accuracy.
+    """
     with _cluster.start(num_workers=3, num_ps=1, tmp_path=tmp_path) as cluster, _listener() as listener:
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
         coordinator = kdist.coordinator.ClusterCoordinator(strategy)
         iterator = iter(coordinator.create_per_worker_dataset(_functions.dataset_fn))
         model, optimizer, accuracy, worker_fn = _train_state(strategy)
-        step = _failing.make_held_step(worker_fn, listener.getsockname())
+        step = _failing.make_held_step(worker_fn, listener.getsockname(), fresh_update_ids)
         values = [coordinator.schedule(step, args=(iterator,), kwargs={"hold": index == held_step})
                   for index in range(steps)]
         # The held closure has pushed its updates; its worker dies before it answers.
@@ -86,12 +91,25 @@ def test_killed_worker_mid_closure_every_step_applied_once_and_restarted_worker_
             cluster.kill("worker", killed)
         coordinator.join()
         assert all(value.status is RemoteValueStatus.READY for value in values)
-        stats = coordinator.stats
-        [ps_stats] = cluster.ps_stats()
         x_test, y_test = _functions.make_digits(500, seed=7)
-        test_accuracy = _functions.accuracy_of(model, x_test, y_test)
+        facts = {
+            "stats": coordinator.stats,
+            "ps": cluster.ps_stats()[0],
+            "count": float(accuracy.count.numpy()),
+            "test_accuracy": _functions.accuracy_of(model, x_test, y_test),
+        }
+        yield cluster, coordinator, worker_fn, iterator, killed, facts
+        coordinator.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_killed_worker_mid_closure_every_step_applied_once_and_restarted_worker_gets_work(tmp_path):
+    steps, held_step = 90, 30
+    with _a_worker_killed_mid_closure(tmp_path, steps, held_step) as (cluster, coordinator, worker_fn, iterator,
+                                                                      killed, facts):
+        stats, ps_stats, test_accuracy = facts["stats"], facts["ps"], facts["test_accuracy"]
         # Every closure's metric state counted once: the held run's never arrived.
-        assert float(accuracy.count.numpy()) == steps * _functions.BATCH
+        assert facts["count"] == steps * _functions.BATCH
         assert stats["closures_done"] == steps
         assert stats["worker_failures"] >= 1 and stats["closures_retried"] >= 1, stats
         # Each variable got every scheduled step once: the retry's push of the
@@ -116,9 +134,19 @@ def test_killed_worker_mid_closure_every_step_applied_once_and_restarted_worker_
             pids.update(int(pid) for pid, _ in coordinator.fetch(round_values))
         print(f"restarted worker got work after {time.monotonic() - started:.1f} s, {extra_steps} extra steps")
         [ps_stats] = cluster.ps_stats()
-        coordinator.shutdown()
     print(f"test accuracy after the failed run: {test_accuracy:.3f}")
     assert {v.applied_updates for v in ps_stats.variables.values()} == {steps + extra_steps}
+
+
+@pytest.mark.timeout(240)
+def test_negative_control_without_stable_update_ids_the_retried_closure_counts_twice(tmp_path):
+    """The same failure, but each run of a closure pushes under fresh keys: the ps applies both."""
+    steps, held_step = 12, 4
+    with _a_worker_killed_mid_closure(tmp_path, steps, held_step, fresh_update_ids=True) as (*_, facts):
+        ps_stats = facts["ps"]
+    assert facts["count"] == steps * _functions.BATCH  # metrics still count the closure once
+    assert {v.applied_updates for v in ps_stats.variables.values()} == {steps + 1}
+    assert ps_stats.deduplicated_updates == 0
 
 
 # ----- parameter server failures --------------------------------------------------------
