@@ -246,7 +246,13 @@ class _Redefine(Exception):
 
 
 class _Dispatcher:
-    """One worker: its channel, what it has defined, and the thread feeding it closures."""
+    """One worker: its channel, what it has defined, and the threads feeding it closures.
+
+    `closures_in_flight_per_worker` threads each send one closure at a time;
+    the worker runs them one after the other, so while it runs one the next
+    is already on its way (the round trip and the chief's pickling are hidden).
+    The threads share the worker's instance id and defined resources under a lock.
+    """
 
     def __init__(self, coordinator, index, address):
         self.coordinator = coordinator
@@ -273,7 +279,11 @@ class _Dispatcher:
         self.defined = None
         self.available = False
         self.failures = 0
-        self.thread = threading.Thread(target=self._loop, name=f"kdist-dispatch-{index}", daemon=True)
+        self._lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._loop, name=f"kdist-dispatch-{index}-{slot}", daemon=True)
+            for slot in range(coordinator._closures_in_flight_per_worker)
+        ]
 
     def close(self):
         self._channel.close()
@@ -281,27 +291,34 @@ class _Dispatcher:
     def _loop(self):
         queue = self.coordinator._queue
         while not self.coordinator._stopping:
-            if self.instance_id is None and not self._connect():
+            with self._lock:
+                connected = self.instance_id is not None or self._connect()
+            if not connected:
+                time.sleep(self.coordinator._worker_retry_seconds)
                 continue
             closure = queue.get()
             if closure is None:
                 return
             try:
                 self._process(closure)
-            except WorkerUnavailableError:
-                self.failures += 1
-                self.coordinator._count("worker_failures")
+            except WorkerUnavailableError as error:
+                with self._lock:
+                    # The other threads' closures on this worker fail too: count the loss once.
+                    if self.instance_id == getattr(error, "instance_id", self.instance_id):
+                        self.failures += 1
+                        self.coordinator._count("worker_failures")
+                        self.available = False
+                        self.instance_id = None
                 self.coordinator._count("closures_retried")
-                self.available = False
-                self.instance_id = None
                 queue.put_back(closure)
                 continue
             except _Redefine:
                 # The worker lost our session or a resource (another session
                 # replaced ours): open it and define everything again.
+                with self._lock:
+                    self.instance_id = None
+                    self.defined = None
                 self.coordinator._count("closures_retried")
-                self.instance_id = None
-                self.defined = None
                 queue.put_back(closure)
                 continue
             except Exception as error:  # a fatal error: fail the closure, cancel the rest
@@ -310,14 +327,13 @@ class _Dispatcher:
             queue.finished()
 
     def _connect(self):
-        """Asks the worker who it is; on a new instance, forgets what was defined there."""
+        """Asks the worker who it is; on a new instance, forgets what was defined there (under the lock)."""
         try:
             response = self._stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_SECONDS, metadata=self._metadata)
         except grpc.RpcError as error:
             if error.code() not in _WORKER_LOST:
                 self.coordinator._queue.fail(WorkerError(self.address, error.code().name, error.details()))
             self.available = False
-            time.sleep(self.coordinator._worker_retry_seconds)
             return False
         if response.instance_id != self.instance_id:
             self.defined = None
@@ -331,7 +347,9 @@ class _Dispatcher:
         except grpc.RpcError as error:
             code = error.code()
             if code in _WORKER_LOST:
-                raise WorkerUnavailableError(self.address, error.details()) from None
+                lost = WorkerUnavailableError(self.address, error.details())
+                lost.instance_id = request.instance_id
+                raise lost from None
             if code in _REDEFINE:
                 raise _Redefine(error.details()) from None
             raise WorkerError(self.address, code.name, error.details()) from None
@@ -342,19 +360,23 @@ class _Dispatcher:
         function_payload, referenced = coordinator._registry.dumps(
             (closure.function, _resolve_remote_values(closure.args), _resolve_remote_values(closure.kwargs)))
         needed = coordinator._registry.closure(referenced)
-        defined = set() if self.defined is None else self.defined
-        missing = [resource_id for resource_id in needed if resource_id not in defined]
-        if missing or self.defined is None:
-            resources = []
-            for resource_id in missing:
-                resource = coordinator._registry.get(resource_id)
-                resources.append(pb.Resource(id=resource.id, kind=resource.kind, spec=resource.spec))
-            self._call(self._stub.Define, pb.DefineRequest(
-                session_id=coordinator._session_id, instance_id=self.instance_id, resources=resources))
-            self.defined = defined | set(missing)
+        with self._lock:
+            instance_id = self.instance_id
+            if instance_id is None:  # another thread lost the worker meanwhile
+                raise _Redefine("the worker was lost")
+            defined = set() if self.defined is None else self.defined
+            missing = [resource_id for resource_id in needed if resource_id not in defined]
+            if missing or self.defined is None:
+                resources = []
+                for resource_id in missing:
+                    resource = coordinator._registry.get(resource_id)
+                    resources.append(pb.Resource(id=resource.id, kind=resource.kind, spec=resource.spec))
+                self._call(self._stub.Define, pb.DefineRequest(
+                    session_id=coordinator._session_id, instance_id=instance_id, resources=resources))
+                self.defined = defined | set(missing)
         metric_ids = [resource_id for resource_id in needed if coordinator._registry.get(resource_id).merge is not None]
         response = self._call(self._stub.Run, pb.RunRequest(
-            session_id=coordinator._session_id, instance_id=self.instance_id, closure_id=closure.id,
+            session_id=coordinator._session_id, instance_id=instance_id, closure_id=closure.id,
             function=function_payload, metric_ids=metric_ids))
         if response.outcome == pb.RunResponse.PS_UNAVAILABLE:
             raise ParameterServerUnavailableError(
@@ -445,6 +467,11 @@ class ClusterCoordinator:
             `ParameterServerUnavailableError`. Workers that fail to reach a
             parameter server report it sooner (after the variable client's
             retries).
+        closures_in_flight_per_worker: closures sent to a worker before the
+            previous one returned. The worker runs them one at a time; the
+            second hides the round trip, but two closures sent together may
+            run in either order, and a closure already sent still runs when
+            an earlier one fails. 1 is TensorFlow's behaviour.
 
     Raises:
         kdist.errors.InvalidArgumentError: `strategy` is not a
@@ -468,7 +495,8 @@ class ClusterCoordinator:
             return existing
         return super().__new__(cls)
 
-    def __init__(self, strategy, *, worker_retry_seconds=1.0, ps_unavailable_seconds=15.0):
+    def __init__(self, strategy, *, worker_retry_seconds=1.0, ps_unavailable_seconds=15.0,
+                 closures_in_flight_per_worker=2):
         if getattr(self, "_initialized", False):
             return
         extended = getattr(strategy, "extended", None)
@@ -481,6 +509,11 @@ class ClusterCoordinator:
                             ("ps_unavailable_seconds", ps_unavailable_seconds)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive number of seconds. Received: {value!r}.")
+        if (isinstance(closures_in_flight_per_worker, bool) or not isinstance(closures_in_flight_per_worker, int)
+                or closures_in_flight_per_worker < 1):
+            raise InvalidArgumentError(
+                "closures_in_flight_per_worker must be a positive integer. Received: "
+                f"{closures_in_flight_per_worker!r}.")
         spec = extended.cluster_resolver.cluster_spec()
         workers = spec.job_tasks("worker") if "worker" in spec.jobs else []
         if not workers or any(address is None for address in workers):
@@ -492,6 +525,7 @@ class ClusterCoordinator:
         self._security = extended.security
         self._worker_retry_seconds = float(worker_retry_seconds)
         self._ps_unavailable_seconds = float(ps_unavailable_seconds)
+        self._closures_in_flight_per_worker = closures_in_flight_per_worker
         self._session_id = uuid.uuid4().hex
         self._registry = _Registry(self)
         self._queue = _Queue()
@@ -501,7 +535,8 @@ class ClusterCoordinator:
         self._stopping = False
         self._dispatchers = [_Dispatcher(self, index, address) for index, address in enumerate(workers)]
         for dispatcher in self._dispatchers:
-            dispatcher.thread.start()
+            for thread in dispatcher.threads:
+                thread.start()
         self._watchdog = threading.Thread(target=self._watch_parameter_servers, name="kdist-ps-watchdog", daemon=True)
         self._watchdog.start()
         extended._cluster_coordinator = self

@@ -31,7 +31,7 @@ def test_needs_worker_tasks():
         kdist.coordinator.ClusterCoordinator(strategy)
 
 
-@pytest.mark.parametrize("name", ["worker_retry_seconds", "ps_unavailable_seconds"])
+@pytest.mark.parametrize("name", ["worker_retry_seconds", "ps_unavailable_seconds", "closures_in_flight_per_worker"])
 @pytest.mark.parametrize("value", [0, -1, "1", True])
 def test_durations_must_be_positive_numbers(name, value):
     strategy = kdist.ParameterServerStrategy(SimpleClusterResolver(CLUSTER, task_type="chief", task_id=0))

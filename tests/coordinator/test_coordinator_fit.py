@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import kdist
+import kdist.coordinator
 import keras
 from tests.coordinator import _cluster, _functions
 
@@ -31,6 +32,9 @@ def test_fit_on_one_worker_equals_plain_keras(tmp_path):
     x_val, y_val = _functions.make_digits(64, seed=2)
     with _cluster.start(num_workers=1, num_ps=1, tmp_path=tmp_path) as cluster:
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        # One closure in flight: the worker runs the closures in schedule order,
+        # as plain Keras runs the batches (with two, neighbours may swap).
+        kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
         model = _compiled(strategy, steps_per_execution=3)
         initial = model.get_weights()
         history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,

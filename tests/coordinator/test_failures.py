@@ -251,7 +251,9 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def coordinator(cluster):
     strategy = kdist.ParameterServerStrategy(cluster.resolver())
-    coordinator = kdist.coordinator.ClusterCoordinator(strategy)
+    # One closure per worker at a time (TensorFlow's behaviour): closures behind
+    # a failing one are still queued, not already sent, when it fails.
+    coordinator = kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
     yield coordinator
     coordinator.shutdown()
 
