@@ -68,6 +68,8 @@ _WORKER_LOST = frozenset({
 # The worker restarted or lost its session: define the resources again.
 _REDEFINE = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 HEALTH_TIMEOUT_SECONDS = 5.0
+# Objects that pickle as themselves: `reference` skips the describers for them.
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, list, dict, range, slice})
 
 # Describers turn chief-side objects into resources: `(predicate, describe)`,
 # where `describe(obj, coordinator) -> (kind, spec, merge)`. `spec` is pickled
@@ -119,6 +121,8 @@ class _Registry:
 
     def reference(self, obj, referenced):
         """The reference standing in for `obj` in a pickle, or None when `obj` pickles as itself."""
+        if type(obj) in _PLAIN_TYPES:  # most of a pickle; never a resource
+            return None
         with self._lock:
             resource_id = self._by_object.get(id(obj))
             if resource_id is not None and self._resources[resource_id].obj is obj:

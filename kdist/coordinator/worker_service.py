@@ -85,8 +85,13 @@ class WorkerRuntime:
             return iter(spec)
         raise InvalidArgumentError(f"This worker cannot build resources of kind {kind!r}.")
 
-    def run(self, function, args, kwargs, closure_id, metrics):
-        """Runs one closure; `metrics` are the metric resources whose state it reports."""
+    def run(self, function, args, kwargs, closure_id, metrics, resources):
+        """Runs one closure.
+
+        Args:
+            metrics: the metric resources whose state the closure reports.
+            resources: every resource object the closure's payload referenced.
+        """
         return function(*args, **kwargs)
 
     def metric_state(self, metric):
@@ -195,8 +200,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         session = self._session
         if session is None or session.id != request.session_id:
             return grpc.StatusCode.FAILED_PRECONDITION, f"session {request.session_id!r} is not open on this worker"
+        referenced = []
+
+        def resolve(reference):
+            resource = session.resolve(reference)
+            referenced.append(resource)
+            return resource
+
         try:
-            function, args, kwargs = payload.loads(request.function, session.resolve)
+            function, args, kwargs = payload.loads(request.function, resolve)
             metrics = [session.resolve(("kdist.resource", metric_id)) for metric_id in request.metric_ids]
         except _UnknownResource as error:
             return grpc.StatusCode.FAILED_PRECONDITION, str(error)
@@ -204,7 +216,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             return _error_response(error)
         self.closures_run += 1
         try:
-            result = session.runtime.run(function, args, kwargs, request.closure_id, metrics)
+            result = session.runtime.run(function, args, kwargs, request.closure_id, metrics, referenced)
             response = pb.RunResponse(outcome=pb.RunResponse.OK, result=payload.dumps(result))
             for metric_id, metric in zip(request.metric_ids, metrics):
                 state = [payload.tensor_message(value) for value in session.runtime.metric_state(metric)]

@@ -28,6 +28,7 @@ steps, steps/s, and how many closures were retried after worker failures.
 
 import contextlib
 import math
+import time
 
 import keras
 import numpy as np
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm
 from kdist.coordinator import ClusterCoordinator, PerWorkerDataset
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
+from kdist.keras.coordinator_runtime import add_state
 
 _UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "validation_sample_weight")
 
@@ -96,14 +98,7 @@ def _merge(model, states, spec):
     if len(variables) != len(states) and spec is not None:
         _compat.symbolic_build(model, spec)
         variables = [variable for metric in model.metrics for variable in metric.variables]
-    if len(variables) != len(states):
-        raise InvalidArgumentError(
-            f"The workers' model has {len(states)} metric variables, the chief's {len(variables)}. "
-            "Compile the model in strategy.scope() before fit."
-        )
-    for variable, delta in zip(variables, states):
-        current = np.asarray(variable.numpy())
-        variable.assign(current + delta.astype(current.dtype))
+    add_state(variables, states, what=f"the metrics of {model.name!r} (compile the model in strategy.scope() before fit)")
 
 
 def _results(model):
@@ -168,10 +163,6 @@ class _Source:
             batches.append(tuple(batch) if len(batch) > 1 else (batch[0],))
         return batches
 
-    def reset(self):
-        if self.iterator is None:
-            self._order, self._cursor = None, 0
-
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -201,27 +192,39 @@ def _pack(model):
     return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
 
 
-def _run_pass(model, coordinator, kind, chunks, on_begin, on_end, progress):
-    """Schedules every closure of one pass and merges their metric states in order."""
+def _batch_end_hook_overridden(callbacks, kind):
+    """True when a callback reads per-batch logs (Keras' own test for async dispatch, by method identity)."""
+    names = ("on_batch_end", f"on_{kind}_batch_end")
+    return any(getattr(type(callback), name) is not getattr(keras.callbacks.Callback, name)
+               for callback in callbacks.callbacks for name in names)
+
+
+def _run_pass(model, coordinator, kind, chunks, callbacks, progress):
+    """Schedules every closure of one pass and merges their metric states in order.
+
+    Logs (a `metric.result()` per metric) are computed for a closure only
+    when a callback overrides a batch-end hook, or the progress bar is about
+    to redraw: nothing else reads them, and they cost more than the merge.
+    """
+    on_begin = getattr(callbacks, f"on_{kind}_batch_begin")
+    on_end = getattr(callbacks, f"on_{kind}_batch_end")
+    read_batch_logs = _batch_end_hook_overridden(callbacks, kind)
     values = [(begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count)))
               for begin, count, source in chunks]
-    logs = {}
+    logs = None
     try:
-        for begin, count, value in values:
+        for position, (begin, count, value) in enumerate(values):
             on_begin(begin)
             states, spec = value.get()
             _merge(model, states, spec)
-            logs = _results(model)
-            on_end(begin + count - 1, logs)
+            last = position == len(values) - 1
+            logs = _results(model) if read_batch_logs or last else None
+            if read_batch_logs:
+                on_end(begin + count - 1, logs)
             if progress is not None:
-                stats = coordinator.stats
-                progress.update(count)
-                progress.set_postfix(
-                    {**{k: f"{v:.4g}" for k, v in logs.items() if isinstance(v, float)},
-                     "retried": stats["closures_retried"],
-                     "workers": f"{stats['workers_available']}/{coordinator.num_workers}"},
-                    refresh=False)
+                progress.advance(count, lambda: logs if logs is not None else _results(model), last)
             if model.stop_training:
+                logs = _results(model)
                 break
         coordinator.join()
     except Exception as error:
@@ -234,13 +237,41 @@ def _run_pass(model, coordinator, kind, chunks, on_begin, on_end, progress):
             if root is not error:
                 raise root from None
         raise
-    return logs
+    return logs or {}
 
 
-def _progress(verbose, total, description):
-    if verbose == 0:
-        return None
-    return tqdm(total=total, desc=description, unit="step", leave=True, dynamic_ncols=True)
+class _Progress:
+    """A tqdm bar on the chief: steps, steps/s, and the latest logs, retried closures and live workers.
+
+    The postfix is recomputed only when tqdm is about to redraw (at most
+    every `mininterval` seconds), so a fast pass does not compute logs for
+    every closure.
+    """
+
+    def __init__(self, coordinator, total, description):
+        self._coordinator = coordinator
+        self._bar = tqdm(total=total, desc=description, unit="step", leave=True, dynamic_ncols=True)
+        self._drawn_at = 0.0
+
+    def advance(self, steps, read_logs, last):
+        bar = self._bar
+        now = time.monotonic()
+        if last or now - self._drawn_at >= bar.mininterval:
+            stats = self._coordinator.stats
+            bar.set_postfix(
+                {**{k: f"{v:.4g}" for k, v in read_logs().items() if isinstance(v, float)},
+                 "retried": stats["closures_retried"],
+                 "workers": f"{stats['workers_available']}/{self._coordinator.num_workers}"},
+                refresh=False)
+            self._drawn_at = now
+        bar.update(steps)
+
+    def close(self):
+        self._bar.close()
+
+
+def _progress(verbose, coordinator, total, description):
+    return None if verbose == 0 else _Progress(coordinator, total, description)
 
 
 def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -271,10 +302,9 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     for epoch in range(first_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
-        progress = _progress(verbose, source.steps, f"Epoch {epoch + 1}/{epochs}")
+        progress = _progress(verbose, coordinator, source.steps, f"Epoch {epoch + 1}/{epochs}")
         try:
-            logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack),
-                             callbacks.on_train_batch_begin, callbacks.on_train_batch_end, progress)
+            logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack), callbacks, progress)
         finally:
             if progress is not None:
                 progress.close()
@@ -309,10 +339,9 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
             steps=source.steps, model=model)
     model.reset_metrics()
     callbacks.on_test_begin()
-    progress = _progress(verbose, source.steps, "Evaluate")
+    progress = _progress(verbose, coordinator, source.steps, "Evaluate")
     try:
-        logs = _run_pass(model, coordinator, "test", source.epoch_sources(_pack(model)),
-                         callbacks.on_test_batch_begin, callbacks.on_test_batch_end, progress)
+        logs = _run_pass(model, coordinator, "test", source.epoch_sources(_pack(model)), callbacks, progress)
     finally:
         if progress is not None:
             progress.close()

@@ -71,6 +71,10 @@ def accuracy_of(model, x, y):
     return float((predictions == y).mean())
 
 
+def predict_shape(model, x):
+    return tuple(model(x).shape)
+
+
 def fail(message):
     raise ValueError(message)
 

@@ -7,7 +7,7 @@ import kdist
 import kdist.coordinator
 import keras
 from kdist.coordinator import RemoteValueStatus
-from tests.coordinator import _cluster, _functions
+from tests.coordinator import _cluster, _failing, _functions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,3 +51,32 @@ def test_custom_loop_trains_and_applies_each_scheduled_step_once(tmp_path):
     # Two Dense layers: four variables, each updated once per scheduled step.
     assert len(ps_stats.variables) == 4
     assert {v.applied_updates for v in ps_stats.variables.values()} == {steps_per_epoch * epochs}
+
+
+def test_a_closure_pulls_only_the_variables_it_references(tmp_path):
+    """One pull per closure that carries the model; none for a closure that carries no variables."""
+    x, _ = _functions.make_digits(4, seed=3)
+    with _cluster.start(num_workers=1, num_ps=1, tmp_path=tmp_path) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        coordinator = kdist.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = _functions.build_model()
+        # The worker's session holds the model from now on.
+        assert coordinator.schedule(_functions.predict_shape, args=(model, x)).fetch() == (4, 10)
+        coordinator.join()
+
+        def pulls():
+            return cluster.ps_stats()[0].requests.get("pull", 0)
+
+        before = pulls()
+        values = [coordinator.schedule(_failing.work, args=(0.0, index)) for index in range(5)]
+        coordinator.join()  # the chief's own refresh: one pull
+        after_plain = pulls()
+        for _ in range(3):
+            coordinator.schedule(_functions.predict_shape, args=(model, x))
+        coordinator.join()
+        after_model = pulls()
+        coordinator.shutdown()
+    assert coordinator.fetch(values) == list(range(5))
+    assert after_plain - before == 1
+    assert after_model - after_plain == 3 + 1

@@ -26,6 +26,20 @@ def _plain(initial_weights):
     return model
 
 
+class _BatchLogs(keras.callbacks.Callback):
+    """Records `(epoch, batch, logs)` at every train batch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.records, self._epoch = [], None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.records.append((self._epoch, batch, dict(logs)))
+
+
 def test_fit_on_one_worker_equals_plain_keras(tmp_path):
     """Array data, no shuffling, one worker: the same global batches in the same order as plain Keras."""
     x, y = _functions.make_digits(256, seed=1)
@@ -37,14 +51,24 @@ def test_fit_on_one_worker_equals_plain_keras(tmp_path):
         kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
         model = _compiled(strategy, steps_per_execution=3)
         initial = model.get_weights()
+        batch_logs = _BatchLogs()
         history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
-                            validation_data=(x_val, y_val))
+                            validation_data=(x_val, y_val), callbacks=[batch_logs])
         evaluated = model.evaluate(x_val, y_val, batch_size=32, verbose=0, return_dict=True)
         weights = model.get_weights()
         predictions = model.predict(x_val, verbose=0)
         strategy.extended._cluster_coordinator.shutdown()
     plain = _plain(initial)
-    plain_history = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, validation_data=(x_val, y_val))
+    plain_batch_logs = _BatchLogs()
+    plain_history = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, validation_data=(x_val, y_val),
+                              callbacks=[plain_batch_logs])
+    # A callback with a batch-end hook hears once per closure of 3, 3 and 2 steps, with
+    # the same running logs plain Keras has after that step.
+    assert [(epoch, batch) for epoch, batch, _ in batch_logs.records] == [(e, b) for e in (0, 1) for b in (2, 5, 7)]
+    plain_logs = {(epoch, batch): logs for epoch, batch, logs in plain_batch_logs.records}
+    for epoch, batch, logs in batch_logs.records:
+        for key, value in plain_logs[(epoch, batch)].items():
+            assert logs[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (epoch, batch, key)
     for got, expected in zip(weights, plain.get_weights()):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     for key, values in plain_history.history.items():
