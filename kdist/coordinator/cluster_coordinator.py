@@ -68,6 +68,10 @@ _WORKER_LOST = frozenset({
 # The worker restarted or lost its session: define the resources again.
 _REDEFINE = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 HEALTH_TIMEOUT_SECONDS = 5.0
+# The coordinator asks every parameter server for its health this often, each
+# answer within the timeout (the bound on noticing a dead one adds both).
+PS_HEALTH_CHECK_SECONDS = 1.0
+PS_HEALTH_TIMEOUT_SECONDS = 2.0
 # Objects that pickle as themselves: `reference` skips the describers for them.
 _PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, list, dict, range, slice})
 
@@ -294,11 +298,11 @@ class _Dispatcher:
 
     def _loop(self):
         queue = self.coordinator._queue
-        while not self.coordinator._stopping:
+        while not self.coordinator._stopped.is_set():
             with self._lock:
                 connected = self.instance_id is not None or self._connect()
             if not connected:
-                time.sleep(self.coordinator._worker_retry_seconds)
+                self.coordinator._stopped.wait(self.coordinator._worker_retry_seconds)
                 continue
             closure = queue.get()
             if closure is None:
@@ -536,7 +540,7 @@ class ClusterCoordinator:
         self._metric_lock = threading.Lock()
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
-        self._stopping = False
+        self._stopped = threading.Event()
         self._dispatchers = [_Dispatcher(self, index, address) for index, address in enumerate(workers)]
         for dispatcher in self._dispatchers:
             for thread in dispatcher.threads:
@@ -637,7 +641,7 @@ class ClusterCoordinator:
 
     def shutdown(self):
         """Stops the dispatchers (closures still queued are not run)."""
-        self._stopping = True
+        self._stopped.set()
         self._queue.stop()
         for dispatcher in self._dispatchers:
             dispatcher.close()
@@ -652,10 +656,10 @@ class ClusterCoordinator:
     def _watch_parameter_servers(self):
         clients = self._strategy.extended.remote_variables.clients
         failing_since = {}
-        while not self._stopping:
+        while not self._stopped.is_set():
             for client in clients:
                 try:
-                    client.health(timeout=2.0)
+                    client.health(timeout=PS_HEALTH_TIMEOUT_SECONDS)
                     failing_since.pop(client.address, None)
                 except ParameterServerUnavailableError as error:
                     started = failing_since.setdefault(client.address, time.monotonic())
@@ -664,4 +668,4 @@ class ClusterCoordinator:
                             client.address, self._ps_unavailable_seconds, error.detail))
                 except Exception:  # a refusal (e.g. a token mismatch) is not an outage
                     failing_since.pop(client.address, None)
-            time.sleep(1.0)
+            self._stopped.wait(PS_HEALTH_CHECK_SECONDS)

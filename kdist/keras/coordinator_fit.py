@@ -57,17 +57,15 @@ def run_steps(model, kind, source, steps):
     worker's iterator of its per-worker dataset.
     """
     model.reset_metrics()
-    if kind == "train":
-        function = model.make_train_function()
-        model.train()
-    else:
-        function = model.make_test_function()
-        model.eval()
+    training = kind == "train"
+    function = model.make_train_function() if training else model.make_test_function()
+    if model.training != training:  # `train()` walks every submodule: only on a switch
+        model.train(training)
     batch = None
     for step in range(steps):
         batch = source[step] if isinstance(source, list) else next(source)
         function([_to_torch(batch)])
-    states = [np.asarray(variable.numpy()) for metric in model.metrics for variable in metric.variables]
+    states = [np.asarray(variable.numpy()) for variable in _metric_variables(model)]
     # An empty batch of the same structure, shapes and dtypes: enough for the
     # chief to build its own metrics symbolically.
     spec = keras.tree.map_structure(
@@ -92,13 +90,27 @@ def _to_torch(batch):
 
 
 # ----- on the chief -------------------------------------------------------------------
-def _merge(model, states, spec):
-    """Adds a closure's metric state into the chief's metrics (building them on first use)."""
-    variables = [variable for metric in model.metrics for variable in metric.variables]
-    if len(variables) != len(states) and spec is not None:
-        _compat.symbolic_build(model, spec)
-        variables = [variable for metric in model.metrics for variable in metric.variables]
-    add_state(variables, states, what=f"the metrics of {model.name!r} (compile the model in strategy.scope() before fit)")
+class _MetricMerger:
+    """Adds closures' metric states into the chief's metrics, building them on first use.
+
+    The variable list is looked up once per pass: walking `model.metrics`
+    costs more than the merge itself.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._variables = _metric_variables(model)
+
+    def add(self, states, spec):
+        if len(self._variables) != len(states) and spec is not None:
+            _compat.symbolic_build(self._model, spec)
+            self._variables = _metric_variables(self._model)
+        add_state(self._variables, states,
+                  what=f"the metrics of {self._model.name!r} (compile the model in strategy.scope() before fit)")
+
+
+def _metric_variables(model):
+    return [variable for metric in model.metrics for variable in metric.variables]
 
 
 def _results(model):
@@ -192,9 +204,9 @@ def _pack(model):
     return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
 
 
-def _batch_end_hook_overridden(callbacks, kind):
-    """True when a callback reads per-batch logs (Keras' own test for async dispatch, by method identity)."""
-    names = ("on_batch_end", f"on_{kind}_batch_end")
+def _batch_hook_overridden(callbacks, kind, when):
+    """True when a callback overrides a batch hook (Keras' own test for async dispatch, by method identity)."""
+    names = (f"on_batch_{when}", f"on_{kind}_batch_{when}")
     return any(getattr(type(callback), name) is not getattr(keras.callbacks.Callback, name)
                for callback in callbacks.callbacks for name in names)
 
@@ -202,24 +214,28 @@ def _batch_end_hook_overridden(callbacks, kind):
 def _run_pass(model, coordinator, kind, chunks, callbacks, progress):
     """Schedules every closure of one pass and merges their metric states in order.
 
-    Logs (a `metric.result()` per metric) are computed for a closure only
-    when a callback overrides a batch-end hook, or the progress bar is about
-    to redraw: nothing else reads them, and they cost more than the merge.
+    Batch hooks run only when a callback overrides them, and logs (a
+    `metric.result()` per metric) are computed for a closure only when a
+    callback reads them or the progress bar is about to redraw: nothing
+    else does, and per closure they cost more than the merge.
     """
     on_begin = getattr(callbacks, f"on_{kind}_batch_begin")
     on_end = getattr(callbacks, f"on_{kind}_batch_end")
-    read_batch_logs = _batch_end_hook_overridden(callbacks, kind)
+    call_begin = _batch_hook_overridden(callbacks, kind, "begin")
+    call_end = _batch_hook_overridden(callbacks, kind, "end")
+    merger = _MetricMerger(model)
     values = [(begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count)))
               for begin, count, source in chunks]
     logs = None
     try:
         for position, (begin, count, value) in enumerate(values):
-            on_begin(begin)
+            if call_begin:
+                on_begin(begin)
             states, spec = value.get()
-            _merge(model, states, spec)
+            merger.add(states, spec)
             last = position == len(values) - 1
-            logs = _results(model) if read_batch_logs or last else None
-            if read_batch_logs:
+            logs = _results(model) if call_end or last else None
+            if call_end:
                 on_end(begin + count - 1, logs)
             if progress is not None:
                 progress.advance(count, lambda: logs if logs is not None else _results(model), last)
