@@ -45,6 +45,16 @@ def dataset_fn(input_context):
     return batches()
 
 
+def train_state(strategy):
+    """A model, Adam, an accuracy metric (all created in scope) and the seed's `worker_fn` over them."""
+    with strategy.scope():
+        model = build_model()
+        optimizer = keras.optimizers.Adam(0.02)
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    return model, optimizer, accuracy, make_train_step(strategy, model, optimizer, accuracy, loss_fn)
+
+
 def make_train_step(strategy, model, optimizer, accuracy, loss_fn):
     """The seed's `worker_fn`: one step of a custom training loop through `strategy.run`."""
 

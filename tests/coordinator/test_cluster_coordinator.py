@@ -5,20 +5,10 @@ import pytest
 
 import kdist
 import kdist.coordinator
-import keras
 from kdist.coordinator import RemoteValueStatus
 from tests.coordinator import _cluster, _failing, _functions
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _train_state(strategy):
-    with strategy.scope():
-        model = _functions.build_model()
-        optimizer = keras.optimizers.Adam(0.02)
-        accuracy = keras.metrics.SparseCategoricalAccuracy()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-    return model, optimizer, accuracy, _functions.make_train_step(strategy, model, optimizer, accuracy, loss_fn)
 
 
 def test_custom_loop_trains_and_applies_each_scheduled_step_once(tmp_path):
@@ -28,7 +18,7 @@ def test_custom_loop_trains_and_applies_each_scheduled_step_once(tmp_path):
         coordinator = kdist.coordinator.ClusterCoordinator(strategy)
         assert kdist.coordinator.ClusterCoordinator(strategy) is coordinator
         per_worker_dataset = coordinator.create_per_worker_dataset(_functions.dataset_fn)
-        model, optimizer, accuracy, worker_fn = _train_state(strategy)
+        model, optimizer, accuracy, worker_fn = _functions.train_state(strategy)
         losses = []
         for _ in range(epochs):
             iterator = iter(per_worker_dataset)

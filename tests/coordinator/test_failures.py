@@ -15,7 +15,6 @@ import pytest
 
 import kdist
 import kdist.coordinator
-import keras
 from kdist.coordinator import RemoteValueStatus
 from kdist.errors import CancelledError, OutOfRangeError, RemoteFunctionError, RemoteTraceback
 from tests import harness
@@ -34,15 +33,6 @@ ACCURACY_TOLERANCE = 0.15
 # How long a restarted worker may take to get work again: its dispatcher calls
 # it every `worker_retry_seconds`, and it imports Keras and torch first.
 RESTART_SECONDS = 20.0
-
-
-def _train_state(strategy):
-    with strategy.scope():
-        model = _functions.build_model()
-        optimizer = keras.optimizers.Adam(0.02)
-        accuracy = keras.metrics.SparseCategoricalAccuracy()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-    return model, optimizer, accuracy, _functions.make_train_step(strategy, model, optimizer, accuracy, loss_fn)
 
 
 def _worker_index(cluster, pid):
@@ -81,7 +71,7 @@ def _a_worker_killed_mid_closure(tmp_path, steps, held_step, fresh_update_ids=Fa
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
         coordinator = kdist.coordinator.ClusterCoordinator(strategy)
         iterator = iter(coordinator.create_per_worker_dataset(_functions.dataset_fn))
-        model, optimizer, accuracy, worker_fn = _train_state(strategy)
+        model, optimizer, accuracy, worker_fn = _functions.train_state(strategy)
         step = _failing.make_held_step(worker_fn, listener.getsockname(), fresh_update_ids)
         values = [coordinator.schedule(step, args=(iterator,), kwargs={"hold": index == held_step})
                   for index in range(steps)]
@@ -140,7 +130,7 @@ def test_killed_worker_mid_closure_every_step_applied_once_and_restarted_worker_
 
         # The unfailed reference: a fresh model trained the same way on the same 3 workers.
         strategy = coordinator.strategy
-        model, _, _, reference_fn = _train_state(strategy)
+        model, _, _, reference_fn = _functions.train_state(strategy)
         reference_iterator = iter(coordinator.create_per_worker_dataset(_functions.dataset_fn))
         for _ in range(steps):
             coordinator.schedule(reference_fn, args=(reference_iterator,))
@@ -176,7 +166,7 @@ def test_killed_ps_raises_parameter_server_unavailable_within_the_bound(tmp_path
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
         coordinator = kdist.coordinator.ClusterCoordinator(strategy, ps_unavailable_seconds=PS_UNAVAILABLE_SECONDS)
         iterator = iter(coordinator.create_per_worker_dataset(_functions.dataset_fn))
-        _, _, _, worker_fn = _train_state(strategy)
+        _, _, _, worker_fn = _functions.train_state(strategy)
         values = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(400)]
         values[20].get(timeout=120)
         cluster.kill("ps", 0)
