@@ -16,6 +16,7 @@ to be package-relative so the stubs work from their `_generated` package.
 
 import argparse
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ GENERATED_FILES = ("variable_service_pb2.py", "variable_service_pb2_grpc.py")
 _COORDINATOR = Path(__file__).resolve().parents[1] / "coordinator"
 WORKER_PROTO_DIRECTORY = _COORDINATOR / "protos"
 WORKER_GENERATED_DIRECTORY = _COORDINATOR / "_generated"
+PROTOC_TIMEOUT_SECONDS = 120
 
 
 def regenerate(output_directory=GENERATED_DIRECTORY, proto_directory=PROTO_DIRECTORY, proto_name=PROTO_NAME):
@@ -41,7 +43,7 @@ def regenerate(output_directory=GENERATED_DIRECTORY, proto_directory=PROTO_DIREC
         The paths of the generated files.
 
     Raises:
-        RuntimeError: `protoc` failed (its message is on stderr).
+        RuntimeError: `protoc` failed (the error holds its message).
 
     Example:
 
@@ -49,21 +51,25 @@ def regenerate(output_directory=GENERATED_DIRECTORY, proto_directory=PROTO_DIREC
     """
     # Imported here: grpcio-tools is needed only to regenerate, not to run.
     import grpc_tools
-    from grpc_tools import protoc
 
     output_directory = Path(output_directory)
     output_directory.mkdir(parents=True, exist_ok=True)
     include = Path(grpc_tools.__file__).resolve().parent / "_proto"
-    status = protoc.main([
-        "grpc_tools.protoc",
+    # protoc runs in a child process: its bundled libprotobuf crashes (SIGSEGV)
+    # in a process that has also loaded jaxlib's, which Keras imports when JAX
+    # is installed.
+    completed = subprocess.run([
+        sys.executable, "-m", "grpc_tools.protoc",
         f"-I{proto_directory}",
         f"-I{include}",
         f"--python_out={output_directory}",
         f"--grpc_python_out={output_directory}",
         str(Path(proto_directory) / proto_name),
-    ])
-    if status != 0:
-        raise RuntimeError(f"protoc failed with status {status} on {Path(proto_directory) / proto_name}")
+    ], capture_output=True, text=True, timeout=PROTOC_TIMEOUT_SECONDS)
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"protoc failed with status {completed.returncode} on {Path(proto_directory) / proto_name}:\n"
+            f"{completed.stderr}")
     stem = Path(proto_name).stem
     names = (f"{stem}_pb2.py", f"{stem}_pb2_grpc.py")
     service_stub = output_directory / names[1]
