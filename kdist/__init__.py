@@ -1,4 +1,4 @@
-"""kdist: tf.distribute-style distributed training for Keras 3 on the torch backend.
+"""kdist: tf.distribute-style distributed training for Keras 3 (torch first; TensorFlow and JAX too).
 
 ```python
 import kdist, keras
@@ -10,10 +10,10 @@ model.fit(x, y, batch_size=256, epochs=5)
 ```
 """
 
-from kdist._backend import ensure_torch_backend
+from kdist._backend import select_backend
 
 # Must run before anything below imports Keras.
-ensure_torch_backend()
+_BACKEND = select_backend()
 
 from kdist import errors  # noqa: E402
 from kdist import cluster  # noqa: E402
@@ -39,11 +39,20 @@ from kdist.distribute import (  # noqa: E402
     partitioners,
 )
 from kdist import coordinator  # noqa: E402
-from kdist.keras import hooks as _keras_hooks  # noqa: E402
+from kdist.backends import visible_gpus  # noqa: E402
 from kdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from kdist.types import ReduceOp, VariableAggregation  # noqa: E402
 
-_keras_hooks.install()
+# The strategy names bind to the implementation of Keras' backend: kdist's own
+# engine on torch, tf.distribute on TensorFlow, keras.distribution on JAX.
+if _BACKEND == "torch":
+    from kdist.keras import hooks as _keras_hooks  # noqa: E402
+
+    _keras_hooks.install()
+elif _BACKEND == "tensorflow":
+    from kdist.backends.tensorflow import MirroredStrategy, MultiWorkerMirroredStrategy  # noqa: E402,F811
+elif _BACKEND == "jax":
+    from kdist.backends.jax import MirroredStrategy, MultiWorkerMirroredStrategy  # noqa: E402,F811
 
 __version__ = "0.1.0"
 
@@ -76,4 +85,5 @@ __all__ = [
     "in_cross_replica_context",
     "partitioners",
     "ps",
+    "visible_gpus",
 ]

@@ -24,6 +24,20 @@ from kdist.types import ReduceOp
 
 _local = threading.local()
 
+# The attribute a Keras model carries once it belongs to a strategy (set by the
+# backend's model hooks; read by `strategy_of`).
+_MODEL_STRATEGY_ATTRIBUTE = "_kdist_strategy"
+
+
+def strategy_of(model):
+    """The strategy `model` was created (or, on torch, compiled) in, or None."""
+    return getattr(model, _MODEL_STRATEGY_ATTRIBUTE, None)
+
+
+def bind_model(model, strategy):
+    """Records that `model` belongs to `strategy` (without Keras' attribute tracking)."""
+    object.__setattr__(model, _MODEL_STRATEGY_ATTRIBUTE, strategy)
+
 
 class _Frame:
     __slots__ = ("strategy", "replica_context")

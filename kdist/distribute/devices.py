@@ -58,8 +58,15 @@ class Device:
         return self.name
 
 
-def parse_device(spec, argument_name="devices"):
+def parse_device(spec, argument_name="devices", gpu_count=None):
     """Parses one device spelling into a `Device`.
+
+    Args:
+        spec: a device spelling (see the module docstring) or `torch.device`.
+        argument_name: named in errors.
+        gpu_count: how many GPUs this process sees, or a function returning
+            it (called only for a GPU entry); None asks torch. The TensorFlow
+            and JAX backends pass their own.
 
     Raises:
         kdist.errors.InvalidDeviceError: the spelling is unknown, or it names a
@@ -90,7 +97,7 @@ def parse_device(spec, argument_name="devices"):
             f"entry {spec!r} of type {type(spec).__name__}."
         )
     if device.kind == "cuda":
-        visible = torch.cuda.device_count()
+        visible = _count(gpu_count)
         if device.index >= visible:
             raise InvalidDeviceError(
                 f"Device {device.name} is not visible. Received: {argument_name} entry "
@@ -101,8 +108,19 @@ def parse_device(spec, argument_name="devices"):
     return device
 
 
-def resolve_devices(devices, argument_name="devices"):
+def _count(gpu_count):
+    if gpu_count is None:
+        return torch.cuda.device_count()
+    return gpu_count() if callable(gpu_count) else gpu_count
+
+
+def resolve_devices(devices, argument_name="devices", gpu_count=None):
     """Validates a device list; `None` means every visible GPU, else one CPU.
+
+    Args:
+        devices: device spellings, one per replica, or None.
+        argument_name: named in errors.
+        gpu_count: as for `parse_device`.
 
     Returns:
         A tuple of `Device`, in the given order.
@@ -112,7 +130,7 @@ def resolve_devices(devices, argument_name="devices"):
             empty, has duplicates, or mixes CPU and CUDA devices.
     """
     if devices is None:
-        count = torch.cuda.device_count()
+        count = _count(gpu_count)
         if count:
             return tuple(Device("cuda", i) for i in range(count))
         return (Device("cpu", 0),)
@@ -129,7 +147,7 @@ def resolve_devices(devices, argument_name="devices"):
             f"At least one device is required. Received: {argument_name}=[]. Pass "
             "devices=None to use every visible GPU (or one CPU replica)."
         )
-    parsed = tuple(parse_device(spec, argument_name) for spec in devices)
+    parsed = tuple(parse_device(spec, argument_name, gpu_count) for spec in devices)
     if len(set(parsed)) != len(parsed):
         raise InvalidDeviceError(
             f"Duplicate devices. Received: {argument_name}={devices!r}. Each replica "

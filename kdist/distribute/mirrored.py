@@ -7,6 +7,7 @@ mean and applied once. See `kdist.keras.replica_engine` for how `model.fit`
 does this and `docs/glossary.md` for the terms.
 """
 
+from kdist._backend import STRATEGY_BACKENDS, require_backend
 from kdist.collectives.local import CrossDeviceOps, ReductionToOneDevice
 from kdist.distribute.devices import device_scope, resolve_devices
 from kdist.distribute.extended import StrategyExtended
@@ -62,5 +63,9 @@ class MirroredStrategy(Strategy):
     ```
     """
 
+    # `kdist.MirroredStrategy` exists on these backends; this class is the torch one.
+    SUPPORTED_BACKENDS = STRATEGY_BACKENDS["MirroredStrategy"]
+
     def __init__(self, devices=None, cross_device_ops=None):
+        require_backend("kdist.distribute.MirroredStrategy (kdist's torch engine)", ("torch",))
         super().__init__(MirroredExtended(self, devices, cross_device_ops))

@@ -10,6 +10,7 @@ See `docs/multi_worker.md`.
 
 import torch
 
+from kdist._backend import STRATEGY_BACKENDS, require_backend
 from kdist.cluster import resolve_cluster
 from kdist.collectives.process import CommunicationOptions, ProcessCollectives
 from kdist.distribute.devices import resolve_devices
@@ -144,7 +145,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     ```
     """
 
+    # `kdist.MultiWorkerMirroredStrategy` exists on these backends; this class is the torch one.
+    SUPPORTED_BACKENDS = STRATEGY_BACKENDS["MultiWorkerMirroredStrategy"]
+
     def __init__(self, cluster_resolver=None, communication_options=None, devices=None):
+        require_backend("kdist.distribute.MultiWorkerMirroredStrategy (kdist's torch engine)", ("torch",))
         super().__init__(MultiWorkerExtended(self, cluster_resolver, communication_options, devices))
 
     @property

@@ -15,6 +15,7 @@ See `docs/parameter_server.md`.
 import contextlib
 import weakref
 
+from kdist._backend import STRATEGY_BACKENDS, require_backend
 from kdist.cluster import resolve_cluster
 from kdist.distribute.devices import resolve_devices
 from kdist.distribute.extended import ChiefRoles
@@ -217,7 +218,10 @@ class ParameterServerStrategy(Strategy):
     ```
     """
 
+    SUPPORTED_BACKENDS = STRATEGY_BACKENDS["ParameterServerStrategy"]
+
     def __init__(self, cluster_resolver=None, variable_partitioner=None, *, devices=None, options=None, security=None):
+        require_backend("ParameterServerStrategy", self.SUPPORTED_BACKENDS)
         super().__init__(
             ParameterServerExtended(self, cluster_resolver, variable_partitioner, devices, options, security)
         )

@@ -87,9 +87,7 @@ def install():
     _installed = True
 
 
-def strategy_of(model):
-    """The strategy a model is attached to, or None."""
-    return getattr(model, "_kdist_strategy", None)
+strategy_of = context.strategy_of
 
 
 def _owning_strategy(model):
@@ -106,7 +104,7 @@ def _owning_strategy(model):
 
 def attach(model, strategy):
     """Makes `model` train with `strategy` (see the module docstring)."""
-    object.__setattr__(model, "_kdist_strategy", strategy)
+    context.bind_model(model, strategy)
     if not getattr(model, "_kdist_attached", False):
         for name in _SCOPED_METHODS:
             _override(model, name, _scoped(model, name))

@@ -26,8 +26,8 @@ import warnings
 
 import keras
 
+from kdist.distribute import context
 from kdist.errors import InvalidArgumentError
-from kdist.keras import hooks
 
 logger = logging.getLogger("kdist.sidecar")
 
@@ -391,7 +391,7 @@ def _check_model(model):
             f"SidecarEvaluator needs a compiled model: it calls `model.evaluate`. Received: "
             f"model={model.name!r}, which is not compiled. Call `model.compile(loss=..., metrics=...)` first."
         )
-    strategy = hooks.strategy_of(model)
+    strategy = context.strategy_of(model)
     if strategy is not None:
         raise InvalidArgumentError(
             f"SidecarEvaluator got a model attached to a strategy. Received: model={model.name!r} "

@@ -1,9 +1,5 @@
 """Clear, typed errors for invalid use; nothing is changed when they are raised."""
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -81,35 +77,3 @@ def test_merge_call_inside_fit_train_step_is_refused_clearly():
     with pytest.raises(UnsupportedError, match="strategy.run"):
         model.fit(x, y, batch_size=16, verbose=0)
 
-
-def _run_python(code, **env):
-    environment = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-    environment.update(env)
-    environment["PYTHONPATH"] = os.pathsep.join([os.getcwd(), environment.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=180)
-
-
-def test_import_kdist_selects_torch_when_keras_is_not_imported():
-    result = _run_python("import kdist, keras; print(keras.backend.backend())")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("torch")
-
-
-def test_keras_already_imported_on_another_backend_explains_the_fix(monkeypatch):
-    # No second Keras backend is installable here (TensorFlow and JAX are absent and
-    # the numpy backend imports JAX), so stand in a keras module reporting "tensorflow".
-    import types
-
-    from kdist._backend import ensure_torch_backend
-    from kdist.errors import BackendError
-
-    fake_keras = types.SimpleNamespace(backend=types.SimpleNamespace(backend=lambda: "tensorflow"))
-    monkeypatch.setitem(sys.modules, "keras", fake_keras)
-    with pytest.raises(BackendError, match="Import kdist before keras"):
-        ensure_torch_backend()
-
-
-def test_import_kdist_with_another_backend_requested_explains_the_fix():
-    result = _run_python("import kdist", KERAS_BACKEND="jax")
-    assert result.returncode != 0
-    assert "KERAS_BACKEND='jax'" in result.stderr

@@ -1,0 +1,255 @@
+"""What the TensorFlow and JAX strategies share.
+
+- `BackendStrategy`: the user-facing API (`scope`, `run`, `reduce`, `gather`,
+  distributed input, contexts). Subclasses supply the backend's primitives:
+  entering its native scope, calling a function per replica, reducing and
+  gathering components, and making per-replica values.
+- the scope keeps kdist's own context stack in step with the backend's, so
+  `kdist.get_strategy()`, `kdist.get_replica_context()` and
+  `kdist.in_cross_replica_context()` mean the same on every backend;
+- distributed input from plain iterables is split with kdist's rule
+  (`kdist.distribute.batching`), so a global batch becomes the same shards on
+  every backend.
+"""
+
+from kdist.distribute import context, nest
+from kdist.distribute.batching import split_batch
+from kdist.distribute.input import InputContext, ValueContext
+from kdist.errors import InvalidArgumentError, StrategyScopeError
+from kdist.types import ReduceOp
+
+
+class BackendExtended:
+    """The implementer-facing half: devices and the backend's own strategy object."""
+
+    is_default = False
+    first_replica_id = 0
+    num_input_pipelines = 1
+    input_pipeline_id = 0
+
+    def __init__(self, worker_devices, native):
+        self._worker_devices = tuple(worker_devices)
+        self.native = native
+
+    @property
+    def worker_devices(self):
+        """Device names used to run replica functions, one per replica (kdist spelling)."""
+        return self._worker_devices
+
+    @property
+    def parameter_devices(self):
+        """Device names holding mirrored variables: every replica's."""
+        return self._worker_devices
+
+    @property
+    def num_replicas_in_sync(self):
+        return len(self._worker_devices)
+
+
+class _Scope:
+    """`strategy.scope()`: the backend's scope plus kdist's context frame; re-entrant."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._entered = []
+
+    def __enter__(self):
+        if context.get_strategy() is self._strategy and not context.in_cross_replica_context():
+            # Re-entered from one of our replicas: keep the replica context.
+            self._entered.append(None)
+            return self._strategy
+        native_scope = self._strategy._native_scope()
+        native_scope.__enter__()
+        try:
+            context.push(self._strategy, None)
+        except BaseException as error:
+            native_scope.__exit__(type(error), error, error.__traceback__)
+            raise
+        self._entered.append(native_scope)
+        return self._strategy
+
+    def __exit__(self, *exc_info):
+        native_scope = self._entered.pop()
+        if native_scope is None:
+            return False
+        try:
+            context.pop(self._strategy)
+        finally:
+            native_scope.__exit__(*exc_info)
+        return False
+
+
+class BackendReplicaContext(context.ReplicaContext):
+    """A replica's context on a non-torch backend; subclasses supply the collectives.
+
+    Args:
+        strategy: the kdist strategy.
+        replica_id_in_sync_group: the replica's id across every process.
+        device: the kdist name of the device it runs on.
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group, device):
+        super().__init__(strategy, replica_id_in_sync_group)
+        self._device = device
+
+    @property
+    def replica_id_in_sync_group(self):
+        return self._replica_id
+
+    @property
+    def devices(self):
+        return (self._device,)
+
+
+class BackendStrategy:
+    """The user-facing strategy API on a backend other than torch.
+
+    Subclasses implement `_native_scope`, `_call_for_each_replica`,
+    `_reduce_leaf`, `_gather_leaf`, `_per_replica`, `_local_results` and
+    `_is_distributed`.
+    """
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    @property
+    def extended(self):
+        """The `StrategyExtended`-like half: `worker_devices`, `native` (the backend's object)."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self):
+        """How many replicas compute each step, in every process."""
+        return self._extended.num_replicas_in_sync
+
+    def scope(self):
+        """Makes this strategy current: models, optimizers and metrics created inside belong to it."""
+        return _Scope(self)
+
+    def _require_cross_replica(self, api):
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise StrategyScopeError(
+                f"{api} must be called in a cross-replica context, but it was called "
+                "from a replica function. Use kdist.get_replica_context().merge_call "
+                "to reach the cross-replica context from a replica."
+            )
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Calls `fn` once per replica in a replica context; see `kdist.Strategy.run`."""
+        del options
+        self._require_cross_replica("run")
+        with self.scope():
+            return self._call_for_each_replica(fn, tuple(args or ()), dict(kwargs or {}))
+
+    def reduce(self, reduce_op, value, axis):
+        """Reduces `value` across replicas (and along `axis`); see `kdist.Strategy.reduce`.
+
+        Returns:
+            The backend's tensor type, on the host.
+        """
+        reduce_op = ReduceOp.from_value(reduce_op)
+        self._require_cross_replica("reduce")
+        with self.scope():
+            return nest.map_structure(
+                lambda leaf: self._reduce_leaf(reduce_op, self._check_reducible(reduce_op, leaf, axis), axis),
+                value)
+
+    def _check_reducible(self, reduce_op, value, axis):
+        num_replicas = self.num_replicas_in_sync
+        if (axis is None and reduce_op is ReduceOp.SUM and num_replicas > 1
+                and not self._is_distributed(value)):
+            raise InvalidArgumentError(
+                "A value that is not distributed cannot be summed across replicas: it "
+                f"would count {num_replicas} times. Received a {type(value).__name__}. "
+                "Pass the PerReplica result of strategy.run, or use ReduceOp.MEAN."
+            )
+        return value
+
+    def gather(self, value, axis):
+        """Concatenates every replica's component of `value` along `axis` on the host."""
+        self._require_cross_replica("gather")
+        with self.scope():
+            return nest.map_structure(lambda leaf: self._gather_leaf(leaf, axis), value)
+
+    def experimental_local_results(self, value):
+        """The components of `value` held by this process, one per replica, as a tuple."""
+        return tuple(self._local_results(value))
+
+    def unwrap(self, value):
+        """TF1 spelling of `experimental_local_results`, returning a list."""
+        return list(self.experimental_local_results(value))
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Splits each global batch of `dataset` into per-replica shards (kdist's rule)."""
+        del options
+        return SplitDataset(self, dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Builds the input with `dataset_fn(InputContext)`; each step takes one element per replica."""
+        del options
+        if not callable(dataset_fn):
+            raise InvalidArgumentError(
+                f"Expected a function taking an InputContext. Received: dataset_fn={dataset_fn!r}.")
+        input_context = InputContext(
+            num_input_pipelines=self._extended.num_input_pipelines,
+            input_pipeline_id=self._extended.input_pipeline_id,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+        return PerReplicaElements(self, dataset_fn(input_context))
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """A per-replica value from `value_fn(ValueContext)` called once per local replica."""
+        first = self._extended.first_replica_id
+        values = [value_fn(ValueContext(first + replica, self.num_replicas_in_sync))
+                  for replica in range(len(self._extended.worker_devices))]
+        return self._per_replica(values)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"
+
+
+def _check_iterable(dataset, argument_name):
+    try:
+        iter(dataset)
+    except TypeError:
+        raise InvalidArgumentError(
+            "Expected an iterable of batches (list, generator, PyDataset, tf.data.Dataset). "
+            f"Received: {argument_name} of type {type(dataset).__name__}."
+        ) from None
+
+
+class SplitDataset:
+    """Each global batch of an iterable, split into one contiguous shard per replica."""
+
+    def __init__(self, strategy, dataset):
+        _check_iterable(dataset, "dataset")
+        self._strategy = strategy
+        self._dataset = dataset
+
+    def __iter__(self):
+        extended = self._strategy.extended
+        first, count = extended.first_replica_id, len(extended.worker_devices)
+        for batch in self._dataset:
+            shards = split_batch(batch, self._strategy.num_replicas_in_sync)[first:first + count]
+            yield self._strategy._per_replica([shard for shard, _ in shards])
+
+
+class PerReplicaElements:
+    """One element per replica per step from a dataset already batched per replica."""
+
+    def __init__(self, strategy, dataset):
+        _check_iterable(dataset, "the dataset returned by dataset_fn")
+        self._strategy = strategy
+        self._dataset = dataset
+
+    def __iter__(self):
+        iterator = iter(self._dataset)
+        count = len(self._strategy.extended.worker_devices)
+        while True:
+            elements = []
+            for _ in range(count):
+                try:
+                    elements.append(next(iterator))
+                except StopIteration:
+                    return  # a final step with too few elements: a replica would have none
+            yield self._strategy._per_replica(elements)
