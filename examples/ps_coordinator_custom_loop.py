@@ -13,9 +13,10 @@ is free. `join()` waits for the epoch; the accuracy metric on the chief adds up
 every worker's updates. At the end the chief prints one JSON line and exits
 non-zero below `--min-accuracy`.
 
-Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-21): `--small`
-(4 epochs of 60 steps on 2 workers) reaches a test accuracy of 0.87; the
-training itself takes about 6 s.
+Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-25): `--small`
+(6 epochs of 60 steps on 2 workers) reaches a test accuracy of 0.88-0.92 over
+4 runs (4 epochs gave 0.84-0.88, too close to the 0.8 floor for CI); the
+training itself takes about 3 s.
 """
 
 import os
@@ -42,10 +43,10 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--steps-per-epoch", type=int, default=100)
     parser.add_argument("--min-accuracy", type=float, default=0.8, help="exit non-zero below this test accuracy")
-    parser.add_argument("--small", action="store_true", help="CI size: 4 epochs of 60 steps")
+    parser.add_argument("--small", action="store_true", help="CI size: 6 epochs of 60 steps")
     args = parser.parse_args(argv)
     if args.small:
-        args.epochs, args.steps_per_epoch = min(args.epochs, 4), min(args.steps_per_epoch, 60)
+        args.epochs, args.steps_per_epoch = min(args.epochs, 6), min(args.steps_per_epoch, 60)
     return args
 
 

@@ -19,10 +19,11 @@ One script for every task of the cluster:
 
 The chief prints one JSON line and exits non-zero below `--min-accuracy`.
 
-Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-21): `--small`
-(6 epochs of 60 steps, 10 steps per closure, 2 workers) reaches a test accuracy
-of 0.9; the chief's part takes about 9 s, and the evaluator reports each of
-the 6 checkpoints once.
+Measured on 2 CPU cores (torch 2.13 CPU, Keras 3.15.1, 2026-11-25): `--small`
+(8 epochs of 60 steps, 10 steps per closure, 2 workers) reaches a test accuracy
+of 0.89-0.93 over 5 runs (asynchronous training: runs differ; 6 epochs gave
+0.82-0.90, too close to the 0.8 floor); the chief's part takes about 3 s, and
+the evaluator reports each of the 8 checkpoints once.
 """
 
 import os
@@ -48,10 +49,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-execution", type=int, default=10, help="training steps per scheduled closure")
     parser.add_argument("--out-dir", default="ps_coordinator_fit_output", help="checkpoints and the final model")
     parser.add_argument("--min-accuracy", type=float, default=0.8, help="exit non-zero below this test accuracy")
-    parser.add_argument("--small", action="store_true", help="CI size: 6 epochs of 60 steps")
+    parser.add_argument("--small", action="store_true", help="CI size: 8 epochs of 60 steps")
     args = parser.parse_args(argv)
     if args.small:
-        args.epochs, args.steps_per_epoch = min(args.epochs, 6), min(args.steps_per_epoch, 60)
+        args.epochs, args.steps_per_epoch = min(args.epochs, 8), min(args.steps_per_epoch, 60)
     return args
 
 

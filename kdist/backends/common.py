@@ -14,7 +14,7 @@
 
 from kdist.distribute import context, nest
 from kdist.distribute.batching import split_batch
-from kdist.distribute.input import InputContext, ValueContext
+from kdist.distribute.input import InputContext, ValueContext, _check_iterable
 from kdist.errors import InvalidArgumentError, StrategyScopeError
 from kdist.types import ReduceOp
 
@@ -187,15 +187,18 @@ class BackendStrategy:
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Builds the input with `dataset_fn(InputContext)`; each step takes one element per replica."""
         del options
+        return PerReplicaElements(self, self._call_dataset_fn(dataset_fn))
+
+    def _call_dataset_fn(self, dataset_fn):
+        """`dataset_fn(InputContext)` with this process's input pipeline."""
         if not callable(dataset_fn):
             raise InvalidArgumentError(
                 f"Expected a function taking an InputContext. Received: dataset_fn={dataset_fn!r}.")
-        input_context = InputContext(
+        return dataset_fn(InputContext(
             num_input_pipelines=self._extended.num_input_pipelines,
             input_pipeline_id=self._extended.input_pipeline_id,
             num_replicas_in_sync=self.num_replicas_in_sync,
-        )
-        return PerReplicaElements(self, dataset_fn(input_context))
+        ))
 
     def experimental_distribute_values_from_function(self, value_fn):
         """A per-replica value from `value_fn(ValueContext)` called once per local replica."""
@@ -206,16 +209,6 @@ class BackendStrategy:
 
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"
-
-
-def _check_iterable(dataset, argument_name):
-    try:
-        iter(dataset)
-    except TypeError:
-        raise InvalidArgumentError(
-            "Expected an iterable of batches (list, generator, PyDataset, tf.data.Dataset). "
-            f"Received: {argument_name} of type {type(dataset).__name__}."
-        ) from None
 
 
 class SplitDataset:

@@ -28,7 +28,6 @@ from kdist.cluster import TorchrunClusterResolver, resolve_cluster
 from kdist.collectives import CommunicationOptions, CrossDeviceOps, ReductionToOneDevice
 from kdist.distribute import context
 from kdist.distribute.devices import resolve_devices
-from kdist.distribute.input import InputContext
 from kdist.errors import BackendError, InvalidArgumentError, InvalidDeviceError, UnsupportedError
 from kdist.types import ReduceOp
 
@@ -197,14 +196,7 @@ class _TensorFlowStrategy(BackendStrategy):
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """`dataset_fn(InputContext)`; a `tf.data.Dataset` result goes to TensorFlow's input pipeline."""
-        if not callable(dataset_fn):
-            raise InvalidArgumentError(
-                f"Expected a function taking an InputContext. Received: dataset_fn={dataset_fn!r}.")
-        dataset = dataset_fn(InputContext(
-            num_input_pipelines=self._extended.num_input_pipelines,
-            input_pipeline_id=self._extended.input_pipeline_id,
-            num_replicas_in_sync=self.num_replicas_in_sync,
-        ))
+        dataset = self._call_dataset_fn(dataset_fn)
         if isinstance(dataset, tf.data.Dataset):
             return self._extended.native.distribute_datasets_from_function(lambda _: dataset, options)
         return PerReplicaElements(self, dataset)
