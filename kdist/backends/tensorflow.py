@@ -292,13 +292,7 @@ class MultiWorkerMirroredStrategy(_TensorFlowStrategy):
                 "On the TensorFlow backend MultiWorkerMirroredStrategy uses every local GPU, else "
                 f"the CPU, and takes no device list. Received: devices={devices!r}. Pass devices=None."
             )
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        elif not isinstance(communication_options, CommunicationOptions):
-            raise InvalidArgumentError(
-                "Expected a kdist.CommunicationOptions. Received: communication_options="
-                f"{communication_options!r}."
-            )
+        communication_options = CommunicationOptions.from_argument(communication_options)
         resolver = resolve_cluster(cluster_resolver)
         if isinstance(resolver, TorchrunClusterResolver):
             raise UnsupportedError(

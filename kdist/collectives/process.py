@@ -84,6 +84,22 @@ class CommunicationOptions:
                 "'nccl' or None (NCCL with GPUs, gloo otherwise)."
             )
 
+    @classmethod
+    def from_argument(cls, communication_options):
+        """`communication_options`, or the defaults for None.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: it is not a `CommunicationOptions`.
+        """
+        if communication_options is None:
+            return cls()
+        if not isinstance(communication_options, cls):
+            raise InvalidArgumentError(
+                "Expected a kdist.CommunicationOptions. Received: communication_options="
+                f"{communication_options!r}."
+            )
+        return communication_options
+
 
 class ProcessCollectives:
     """Collectives across the ranks of one job, over an initialised process group.

@@ -8,12 +8,8 @@ coordinator = kdist.coordinator.ClusterCoordinator(strategy)
 See `ClusterCoordinator` and `docs/parameter_server.md`.
 """
 
-from kdist.coordinator.cluster_coordinator import (
-    ClusterCoordinator,
-    PerWorkerDataset,
-    PerWorkerIterator,
-    register_describer,
-)
+from kdist.coordinator.cluster_coordinator import ClusterCoordinator, PerWorkerDataset, PerWorkerIterator
+from kdist.coordinator.resources import register_describer
 from kdist.coordinator.remote_value import RemoteValue, RemoteValueStatus
 from kdist.coordinator.worker_service import (
     WorkerRuntime,

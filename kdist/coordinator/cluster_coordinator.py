@@ -34,393 +34,20 @@ message text):
 """
 
 import collections
-import itertools
 import threading
 import time
 import uuid
 
-import cloudpickle
-import grpc
+from kdist.coordinator.closure_queue import Closure, ClosureQueue
+from kdist.coordinator.dispatcher import Dispatcher
+from kdist.coordinator.remote_value import RemoteValue, to_numpy
+from kdist.coordinator.resources import Registry
+from kdist.errors import InvalidArgumentError, ParameterServerUnavailableError
 
-from kdist.coordinator import payload
-from kdist.coordinator._generated import worker_service_pb2 as pb
-from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
-from kdist.coordinator.remote_value import RemoteValue, RemoteValueStatus, to_numpy
-from kdist.coordinator.worker_service import grpc_options
-from kdist.errors import (
-    CancelledError,
-    InvalidArgumentError,
-    ParameterServerUnavailableError,
-    RemoteFunctionError,
-    RemoteTraceback,
-    WorkerError,
-    WorkerUnavailableError,
-)
-
-_RESOURCE = "kdist.resource"
-# Codes that mean "this worker is gone or could not answer": retry elsewhere.
-_WORKER_LOST = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED,
-})
-# The worker restarted or lost its session: define the resources again.
-_REDEFINE = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
-HEALTH_TIMEOUT_SECONDS = 5.0
 # The coordinator asks every parameter server for its health this often, each
 # answer within the timeout (the bound on noticing a dead one adds both).
 PS_HEALTH_CHECK_SECONDS = 1.0
 PS_HEALTH_TIMEOUT_SECONDS = 2.0
-# Objects that pickle as themselves: `reference` skips the describers for them.
-_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, list, dict, range, slice})
-
-# Describers turn chief-side objects into resources: `(predicate, describe)`,
-# where `describe(obj, coordinator) -> (kind, spec, merge)`. `spec` is pickled
-# (its own references to other resources become dependencies); `merge`, when
-# not None, makes it a metric: `merge(obj, arrays)` adds a closure's state.
-_describers = []
-
-
-def register_describer(predicate, describe):
-    """Teaches coordinators to send objects for which `predicate(obj)` holds as resources."""
-    _describers.append((predicate, describe))
-
-
-class _Resource:
-    def __init__(self, resource_id, obj, kind, spec, dependencies, merge):
-        self.id = resource_id
-        self.obj = obj
-        self.kind = kind
-        self.spec = spec
-        self.dependencies = dependencies
-        self.merge = merge
-
-
-class _Registry:
-    """Chief-side resources by id, in definition order (dependencies first)."""
-
-    def __init__(self, coordinator):
-        self._coordinator = coordinator
-        self._by_object = {}
-        self._resources = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.RLock()
-
-    def add(self, obj, kind, spec, merge=None):
-        """Registers `obj` explicitly (per-worker datasets and iterators)."""
-        with self._lock:
-            return self._add(obj, kind, spec, merge)
-
-    def _add(self, obj, kind, spec, merge):
-        referenced = []
-        spec_payload = payload.dumps(spec, self._resolver(referenced))
-        resource = _Resource(next(self._ids), obj, kind, spec_payload, tuple(referenced), merge)
-        self._resources[resource.id] = resource
-        self._by_object[id(obj)] = resource.id
-        return resource
-
-    def get(self, resource_id):
-        return self._resources[resource_id]
-
-    def reference(self, obj, referenced):
-        """The reference standing in for `obj` in a pickle, or None when `obj` pickles as itself."""
-        if type(obj) in _PLAIN_TYPES:  # most of a pickle; never a resource
-            return None
-        with self._lock:
-            resource_id = self._by_object.get(id(obj))
-            if resource_id is not None and self._resources[resource_id].obj is obj:
-                referenced.append(resource_id)
-                return (_RESOURCE, resource_id)
-            for predicate, describe in _describers:
-                if predicate(obj):
-                    kind, spec, merge = describe(obj, self._coordinator)
-                    resource = self._add(obj, kind, spec, merge)
-                    referenced.append(resource.id)
-                    return (_RESOURCE, resource.id)
-        return None
-
-    def _resolver(self, referenced):
-        return lambda obj: self.reference(obj, referenced)
-
-    def dumps(self, obj):
-        """`obj` as a `Payload`, and the ids of the resources it references."""
-        referenced = []
-        return payload.dumps(obj, self._resolver(referenced)), referenced
-
-    def closure(self, resource_ids):
-        """`resource_ids` and everything they depend on, dependencies first."""
-        ordered, seen = [], set()
-
-        def visit(resource_id):
-            if resource_id in seen:
-                return
-            seen.add(resource_id)
-            for dependency in self._resources[resource_id].dependencies:
-                visit(dependency)
-            ordered.append(resource_id)
-
-        for resource_id in resource_ids:
-            visit(resource_id)
-        return ordered
-
-
-class _Closure:
-    def __init__(self, function, args, kwargs):
-        self.id = uuid.uuid4().hex
-        self.function = function
-        self.args = args
-        self.kwargs = kwargs
-        self.remote_value = RemoteValue()
-        self.attempts = 0
-
-
-class _Queue:
-    """Closures waiting for a worker, the number running, and the first fatal error."""
-
-    def __init__(self):
-        self._pending = collections.deque()
-        self._inflight = 0
-        self._error = None
-        self._stopped = False
-        self._condition = threading.Condition()
-
-    def put(self, closure):
-        with self._condition:
-            self._pending.append(closure)
-            self._condition.notify_all()
-
-    def get(self):
-        """The next closure for a dispatcher, or None when the coordinator stops."""
-        with self._condition:
-            self._condition.wait_for(lambda: self._pending or self._stopped)
-            if self._stopped:
-                return None
-            self._inflight += 1
-            return self._pending.popleft()
-
-    def finished(self):
-        with self._condition:
-            self._inflight -= 1
-            self._condition.notify_all()
-
-    def put_back(self, closure):
-        """A closure whose worker was lost: first in line again (cancelled after a fatal error)."""
-        with self._condition:
-            self._inflight -= 1
-            if self._error is not None:
-                closure.remote_value._set(RemoteValueStatus.CANCELLED, error=CancelledError(
-                    "Cancelled: an earlier closure failed."))
-            else:
-                closure.remote_value._set_aborted()
-                self._pending.appendleft(closure)
-            self._condition.notify_all()
-
-    def fail(self, error):
-        """Records the first fatal error and cancels every queued closure."""
-        with self._condition:
-            if self._error is None:
-                self._error = error
-            while self._pending:
-                self._pending.popleft().remote_value._set(RemoteValueStatus.CANCELLED, error=CancelledError(
-                    f"Cancelled because an earlier closure failed: {type(error).__name__}: {error}"))
-            self._condition.notify_all()
-
-    def raise_error(self):
-        """Raises (and clears) the recorded fatal error, if any."""
-        with self._condition:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def wait_idle(self, timeout=None):
-        """Blocks until nothing is queued or running, or a fatal error is recorded."""
-        with self._condition:
-            return self._condition.wait_for(
-                lambda: self._error is not None or (not self._pending and self._inflight == 0), timeout)
-
-    def idle(self):
-        with self._condition:
-            return not self._pending and self._inflight == 0
-
-    def stop(self):
-        with self._condition:
-            self._stopped = True
-            self._condition.notify_all()
-
-
-class _Redefine(Exception):
-    pass
-
-
-class _Dispatcher:
-    """One worker: its channel, what it has defined, and the threads feeding it closures.
-
-    `closures_in_flight_per_worker` threads each send one closure at a time;
-    the worker runs them one after the other, so while it runs one the next
-    is already on its way (the round trip and the chief's pickling are hidden).
-    The threads share the worker's instance id and defined resources under a lock.
-    """
-
-    def __init__(self, coordinator, index, address):
-        self.coordinator = coordinator
-        self.index = index
-        self.address = address
-        security = coordinator._security
-        # A lost worker is called every `worker_retry_seconds`: its channel must
-        # try to reconnect as often, not after gRPC's default backoff of up to
-        # 120 s, or a restarted worker waits that long for work.
-        reconnect_ms = max(100, int(coordinator._worker_retry_seconds * 1000))
-        options = grpc_options() + [
-            ("grpc.enable_http_proxy", 0),
-            ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
-            ("grpc.max_reconnect_backoff_ms", reconnect_ms),
-        ] + list(security.channel_options())
-        credentials = security.channel_credentials()
-        self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
-                         else grpc.secure_channel(address, credentials, options=options))
-        self._stub = pb_grpc.WorkerServiceStub(self._channel)
-        self._metadata = tuple(security.call_metadata())
-        self.instance_id = None
-        # Ids of the resources defined in our session there; None until the
-        # session is open (a Define opens it, even with no resources).
-        self.defined = None
-        self.available = False
-        self.failures = 0
-        self._lock = threading.Lock()
-        self.threads = [
-            threading.Thread(target=self._loop, name=f"kdist-dispatch-{index}-{slot}", daemon=True)
-            for slot in range(coordinator._closures_in_flight_per_worker)
-        ]
-
-    def close(self):
-        self._channel.close()
-
-    def _loop(self):
-        queue = self.coordinator._queue
-        while not self.coordinator._stopped.is_set():
-            with self._lock:
-                connected = self.instance_id is not None or self._connect()
-            if not connected:
-                self.coordinator._stopped.wait(self.coordinator._worker_retry_seconds)
-                continue
-            closure = queue.get()
-            if closure is None:
-                return
-            try:
-                self._process(closure)
-            except WorkerUnavailableError as error:
-                with self._lock:
-                    # The other threads' closures on this worker fail too: count the loss once.
-                    if self.instance_id == getattr(error, "instance_id", self.instance_id):
-                        self.failures += 1
-                        self.coordinator._count("worker_failures")
-                        self.available = False
-                        self.instance_id = None
-                self.coordinator._count("closures_retried")
-                queue.put_back(closure)
-                continue
-            except _Redefine:
-                # The worker lost our session or a resource (another session
-                # replaced ours): open it and define everything again.
-                with self._lock:
-                    self.instance_id = None
-                    self.defined = None
-                self.coordinator._count("closures_retried")
-                queue.put_back(closure)
-                continue
-            except Exception as error:  # a fatal error: fail the closure, cancel the rest
-                closure.remote_value._set(RemoteValueStatus.FAILED, error=error)
-                queue.fail(error)
-            queue.finished()
-
-    def _connect(self):
-        """Asks the worker who it is; on a new instance, forgets what was defined there (under the lock)."""
-        try:
-            response = self._stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_SECONDS, metadata=self._metadata)
-        except grpc.RpcError as error:
-            if error.code() not in _WORKER_LOST:
-                self.coordinator._queue.fail(WorkerError(self.address, error.code().name, error.details()))
-            self.available = False
-            return False
-        if response.instance_id != self.instance_id:
-            self.defined = None
-        self.instance_id = response.instance_id
-        self.available = True
-        return True
-
-    def _call(self, method, request):
-        try:
-            return method(request, metadata=self._metadata)
-        except grpc.RpcError as error:
-            code = error.code()
-            if code in _WORKER_LOST:
-                lost = WorkerUnavailableError(self.address, error.details())
-                lost.instance_id = request.instance_id
-                raise lost from None
-            if code in _REDEFINE:
-                raise _Redefine(error.details()) from None
-            raise WorkerError(self.address, code.name, error.details()) from None
-
-    def _process(self, closure):
-        coordinator = self.coordinator
-        closure.attempts += 1
-        function_payload, referenced = coordinator._registry.dumps(
-            (closure.function, _resolve_remote_values(closure.args), _resolve_remote_values(closure.kwargs)))
-        needed = coordinator._registry.closure(referenced)
-        with self._lock:
-            instance_id = self.instance_id
-            if instance_id is None:  # another thread lost the worker meanwhile
-                raise _Redefine("the worker was lost")
-            defined = set() if self.defined is None else self.defined
-            missing = [resource_id for resource_id in needed if resource_id not in defined]
-            if missing or self.defined is None:
-                resources = []
-                for resource_id in missing:
-                    resource = coordinator._registry.get(resource_id)
-                    resources.append(pb.Resource(id=resource.id, kind=resource.kind, spec=resource.spec))
-                self._call(self._stub.Define, pb.DefineRequest(
-                    session_id=coordinator._session_id, instance_id=instance_id, resources=resources))
-                self.defined = defined | set(missing)
-        metric_ids = [resource_id for resource_id in needed if coordinator._registry.get(resource_id).merge is not None]
-        response = self._call(self._stub.Run, pb.RunRequest(
-            session_id=coordinator._session_id, instance_id=instance_id, closure_id=closure.id,
-            function=function_payload, metric_ids=metric_ids))
-        if response.outcome == pb.RunResponse.PS_UNAVAILABLE:
-            raise ParameterServerUnavailableError(
-                response.ps_address, None, f"reported by the worker at {self.address}: {response.error_message}")
-        if response.outcome == pb.RunResponse.FUNCTION_ERROR:
-            raise _rebuild_error(response, self.address)
-        result = payload.loads(response.result)
-        with coordinator._metric_lock:
-            for state in response.metrics:
-                resource = coordinator._registry.get(state.id)
-                resource.merge(resource.obj, [payload.tensor_value(tensor) for tensor in state.variables])
-        coordinator._count("closures_done")
-        closure.remote_value._set(RemoteValueStatus.READY, value=result)
-
-
-def _rebuild_error(response, address):
-    error = None
-    if response.error:
-        try:
-            error = cloudpickle.loads(response.error)
-        except Exception:
-            error = None
-    if not isinstance(error, BaseException):
-        return RemoteFunctionError(address, response.error_type, response.error_message, response.traceback)
-    error.__cause__ = RemoteTraceback(response.traceback)
-    return error
-
-
-def _resolve_remote_values(structure):
-    if isinstance(structure, RemoteValue):
-        return structure.get()
-    if isinstance(structure, dict):
-        return type(structure)((key, _resolve_remote_values(value)) for key, value in structure.items())
-    if isinstance(structure, (list, tuple)) and not hasattr(structure, "_fields"):
-        return type(structure)(_resolve_remote_values(value) for value in structure)
-    return structure
 
 
 class PerWorkerDataset:
@@ -535,13 +162,13 @@ class ClusterCoordinator:
         self._ps_unavailable_seconds = float(ps_unavailable_seconds)
         self._closures_in_flight_per_worker = closures_in_flight_per_worker
         self._session_id = uuid.uuid4().hex
-        self._registry = _Registry(self)
-        self._queue = _Queue()
+        self._registry = Registry(self)
+        self._queue = ClosureQueue()
         self._metric_lock = threading.Lock()
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._dispatchers = [_Dispatcher(self, index, address) for index, address in enumerate(workers)]
+        self._dispatchers = [Dispatcher(self, index, address) for index, address in enumerate(workers)]
         for dispatcher in self._dispatchers:
             for thread in dispatcher.threads:
                 thread.start()
@@ -580,7 +207,7 @@ class ClusterCoordinator:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise InvalidArgumentError(f"kwargs must be a dict. Received: {type(kwargs).__name__}.")
         self._queue.raise_error()
-        closure = _Closure(fn, tuple(args or ()), dict(kwargs or {}))
+        closure = Closure(fn, tuple(args or ()), dict(kwargs or {}))
         self._count("closures_scheduled")
         self._queue.put(closure)
         return closure.remote_value

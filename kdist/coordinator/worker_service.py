@@ -35,6 +35,7 @@ import grpc
 from kdist.coordinator import payload
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
+from kdist.coordinator.resources import RESOURCE_REFERENCE
 from kdist.errors import InvalidArgumentError, OutOfRangeError, ParameterServerUnavailableError
 from kdist.ps.security import Security
 
@@ -123,7 +124,7 @@ class _Session:
 
     def resolve(self, reference):
         kind, resource_id = reference[0], reference[1]
-        if kind != "kdist.resource":
+        if kind != RESOURCE_REFERENCE:
             raise _UnknownResource(f"unknown reference {reference!r}")
         try:
             return self.resources[resource_id]
@@ -209,7 +210,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
         try:
             function, args, kwargs = payload.loads(request.function, resolve)
-            metrics = [session.resolve(("kdist.resource", metric_id)) for metric_id in request.metric_ids]
+            metrics = [session.resolve((RESOURCE_REFERENCE, metric_id)) for metric_id in request.metric_ids]
         except _UnknownResource as error:
             return grpc.StatusCode.FAILED_PRECONDITION, str(error)
         except Exception as error:

@@ -18,7 +18,6 @@ from kdist.distribute.mirrored import MirroredExtended
 from kdist.distribute.extended import HOST_DEVICE, ChiefRoles
 from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored
-from kdist.errors import InvalidArgumentError
 from kdist.types import ReduceOp
 
 
@@ -31,13 +30,7 @@ class MultiWorkerExtended(ChiefRoles, MirroredExtended):
     """
 
     def __init__(self, container_strategy, cluster_resolver, communication_options, devices):
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        elif not isinstance(communication_options, CommunicationOptions):
-            raise InvalidArgumentError(
-                "Expected a kdist.CommunicationOptions. Received: communication_options="
-                f"{communication_options!r}."
-            )
+        communication_options = CommunicationOptions.from_argument(communication_options)
         resolver = resolve_cluster(cluster_resolver)
         rendezvous = resolver.rendezvous()
         super().__init__(container_strategy, _local_devices(devices, rendezvous), None)

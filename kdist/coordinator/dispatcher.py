@@ -1,0 +1,209 @@
+"""One worker as the coordinator sees it: its channel, its session, and the threads that feed it closures.
+
+Failures are classified by gRPC status code (see `ClusterCoordinator`): a lost
+worker's closure goes back to the queue, a worker that lost its session gets
+its resources defined again, anything else fails the closure.
+"""
+
+import threading
+
+import cloudpickle
+import grpc
+
+from kdist.coordinator import payload
+from kdist.coordinator._generated import worker_service_pb2 as pb
+from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
+from kdist.coordinator.remote_value import RemoteValue, RemoteValueStatus
+from kdist.coordinator.worker_service import grpc_options
+from kdist.errors import (
+    ParameterServerUnavailableError,
+    RemoteFunctionError,
+    RemoteTraceback,
+    WorkerError,
+    WorkerUnavailableError,
+)
+
+# Codes that mean "this worker is gone or could not answer": retry elsewhere.
+_WORKER_LOST = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+})
+# The worker restarted or lost its session: define the resources again.
+_REDEFINE = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+HEALTH_TIMEOUT_SECONDS = 5.0
+
+
+class _Redefine(Exception):
+    pass
+
+
+class Dispatcher:
+    """One worker: its channel, what it has defined, and the threads feeding it closures.
+
+    `closures_in_flight_per_worker` threads each send one closure at a time;
+    the worker runs them one after the other, so while it runs one the next
+    is already on its way (the round trip and the chief's pickling are hidden).
+    The threads share the worker's instance id and defined resources under a lock.
+    """
+
+    def __init__(self, coordinator, index, address):
+        self.coordinator = coordinator
+        self.index = index
+        self.address = address
+        security = coordinator._security
+        # A lost worker is called every `worker_retry_seconds`: its channel must
+        # try to reconnect as often, not after gRPC's default backoff of up to
+        # 120 s, or a restarted worker waits that long for work.
+        reconnect_ms = max(100, int(coordinator._worker_retry_seconds * 1000))
+        options = grpc_options() + [
+            ("grpc.enable_http_proxy", 0),
+            ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+            ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+        ] + list(security.channel_options())
+        credentials = security.channel_credentials()
+        self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
+                         else grpc.secure_channel(address, credentials, options=options))
+        self._stub = pb_grpc.WorkerServiceStub(self._channel)
+        self._metadata = tuple(security.call_metadata())
+        self.instance_id = None
+        # Ids of the resources defined in our session there; None until the
+        # session is open (a Define opens it, even with no resources).
+        self.defined = None
+        self.available = False
+        self.failures = 0
+        self._lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._loop, name=f"kdist-dispatch-{index}-{slot}", daemon=True)
+            for slot in range(coordinator._closures_in_flight_per_worker)
+        ]
+
+    def close(self):
+        self._channel.close()
+
+    def _loop(self):
+        queue = self.coordinator._queue
+        while not self.coordinator._stopped.is_set():
+            with self._lock:
+                connected = self.instance_id is not None or self._connect()
+            if not connected:
+                self.coordinator._stopped.wait(self.coordinator._worker_retry_seconds)
+                continue
+            closure = queue.get()
+            if closure is None:
+                return
+            try:
+                self._process(closure)
+            except WorkerUnavailableError as error:
+                with self._lock:
+                    # The other threads' closures on this worker fail too: count the loss once.
+                    if self.instance_id == getattr(error, "instance_id", self.instance_id):
+                        self.failures += 1
+                        self.coordinator._count("worker_failures")
+                        self.available = False
+                        self.instance_id = None
+                self.coordinator._count("closures_retried")
+                queue.put_back(closure)
+                continue
+            except _Redefine:
+                # The worker lost our session or a resource (another session
+                # replaced ours): open it and define everything again.
+                with self._lock:
+                    self.instance_id = None
+                    self.defined = None
+                self.coordinator._count("closures_retried")
+                queue.put_back(closure)
+                continue
+            except Exception as error:  # a fatal error: fail the closure, cancel the rest
+                closure.remote_value._set(RemoteValueStatus.FAILED, error=error)
+                queue.fail(error)
+            queue.finished()
+
+    def _connect(self):
+        """Asks the worker who it is; on a new instance, forgets what was defined there (under the lock)."""
+        try:
+            response = self._stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_SECONDS, metadata=self._metadata)
+        except grpc.RpcError as error:
+            if error.code() not in _WORKER_LOST:
+                self.coordinator._queue.fail(WorkerError(self.address, error.code().name, error.details()))
+            self.available = False
+            return False
+        if response.instance_id != self.instance_id:
+            self.defined = None
+        self.instance_id = response.instance_id
+        self.available = True
+        return True
+
+    def _call(self, method, request):
+        try:
+            return method(request, metadata=self._metadata)
+        except grpc.RpcError as error:
+            code = error.code()
+            if code in _WORKER_LOST:
+                lost = WorkerUnavailableError(self.address, error.details())
+                lost.instance_id = request.instance_id
+                raise lost from None
+            if code in _REDEFINE:
+                raise _Redefine(error.details()) from None
+            raise WorkerError(self.address, code.name, error.details()) from None
+
+    def _process(self, closure):
+        coordinator = self.coordinator
+        closure.attempts += 1
+        function_payload, referenced = coordinator._registry.dumps(
+            (closure.function, _resolve_remote_values(closure.args), _resolve_remote_values(closure.kwargs)))
+        needed = coordinator._registry.closure(referenced)
+        with self._lock:
+            instance_id = self.instance_id
+            if instance_id is None:  # another thread lost the worker meanwhile
+                raise _Redefine("the worker was lost")
+            defined = set() if self.defined is None else self.defined
+            missing = [resource_id for resource_id in needed if resource_id not in defined]
+            if missing or self.defined is None:
+                resources = []
+                for resource_id in missing:
+                    resource = coordinator._registry.get(resource_id)
+                    resources.append(pb.Resource(id=resource.id, kind=resource.kind, spec=resource.spec))
+                self._call(self._stub.Define, pb.DefineRequest(
+                    session_id=coordinator._session_id, instance_id=instance_id, resources=resources))
+                self.defined = defined | set(missing)
+        metric_ids = [resource_id for resource_id in needed if coordinator._registry.get(resource_id).merge is not None]
+        response = self._call(self._stub.Run, pb.RunRequest(
+            session_id=coordinator._session_id, instance_id=instance_id, closure_id=closure.id,
+            function=function_payload, metric_ids=metric_ids))
+        if response.outcome == pb.RunResponse.PS_UNAVAILABLE:
+            raise ParameterServerUnavailableError(
+                response.ps_address, None, f"reported by the worker at {self.address}: {response.error_message}")
+        if response.outcome == pb.RunResponse.FUNCTION_ERROR:
+            raise _rebuild_error(response, self.address)
+        result = payload.loads(response.result)
+        with coordinator._metric_lock:
+            for state in response.metrics:
+                resource = coordinator._registry.get(state.id)
+                resource.merge(resource.obj, [payload.tensor_value(tensor) for tensor in state.variables])
+        coordinator._count("closures_done")
+        closure.remote_value._set(RemoteValueStatus.READY, value=result)
+
+
+def _rebuild_error(response, address):
+    error = None
+    if response.error:
+        try:
+            error = cloudpickle.loads(response.error)
+        except Exception:
+            error = None
+    if not isinstance(error, BaseException):
+        return RemoteFunctionError(address, response.error_type, response.error_message, response.traceback)
+    error.__cause__ = RemoteTraceback(response.traceback)
+    return error
+
+
+def _resolve_remote_values(structure):
+    if isinstance(structure, RemoteValue):
+        return structure.get()
+    if isinstance(structure, dict):
+        return type(structure)((key, _resolve_remote_values(value)) for key, value in structure.items())
+    if isinstance(structure, (list, tuple)) and not hasattr(structure, "_fields"):
+        return type(structure)(_resolve_remote_values(value) for value in structure)
+    return structure
