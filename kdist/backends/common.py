@@ -4,7 +4,9 @@
   distributed input, contexts). Subclasses supply the backend's primitives:
   entering its native scope, calling a function per replica, reducing and
   gathering components, and making per-replica values.
-- the scope keeps kdist's own context stack in step with the backend's, so
+- the scope (the torch strategies' `StrategyScope`, entering the backend's
+  own scope where torch enters a device scope) keeps kdist's context stack in
+  step with the backend's, so
   `kdist.get_strategy()`, `kdist.get_replica_context()` and
   `kdist.in_cross_replica_context()` mean the same on every backend;
 - distributed input from plain iterables is split with kdist's rule
@@ -15,7 +17,8 @@
 from kdist.distribute import context, nest
 from kdist.distribute.batching import split_batch
 from kdist.distribute.input import InputContext, ValueContext, _check_iterable
-from kdist.errors import InvalidArgumentError, StrategyScopeError
+from kdist.distribute.strategy import StrategyScope
+from kdist.errors import InvalidArgumentError
 from kdist.types import ReduceOp
 
 
@@ -45,38 +48,9 @@ class BackendExtended:
     def num_replicas_in_sync(self):
         return len(self._worker_devices)
 
-
-class _Scope:
-    """`strategy.scope()`: the backend's scope plus kdist's context frame; re-entrant."""
-
-    def __init__(self, strategy):
-        self._strategy = strategy
-        self._entered = []
-
-    def __enter__(self):
-        if context.get_strategy() is self._strategy and not context.in_cross_replica_context():
-            # Re-entered from one of our replicas: keep the replica context.
-            self._entered.append(None)
-            return self._strategy
-        native_scope = self._strategy._native_scope()
-        native_scope.__enter__()
-        try:
-            context.push(self._strategy, None)
-        except BaseException as error:
-            native_scope.__exit__(type(error), error, error.__traceback__)
-            raise
-        self._entered.append(native_scope)
-        return self._strategy
-
-    def __exit__(self, *exc_info):
-        native_scope = self._entered.pop()
-        if native_scope is None:
-            return False
-        try:
-            context.pop(self._strategy)
-        finally:
-            native_scope.__exit__(*exc_info)
-        return False
+    def variable_device_scope(self):
+        """Entered by `strategy.scope()` inside kdist's context frame: the backend's own scope."""
+        return self.native.scope()
 
 
 class BackendReplicaContext(context.ReplicaContext):
@@ -104,7 +78,7 @@ class BackendReplicaContext(context.ReplicaContext):
 class BackendStrategy:
     """The user-facing strategy API on a backend other than torch.
 
-    Subclasses implement `_native_scope`, `_call_for_each_replica`,
+    Subclasses implement `_call_for_each_replica`,
     `_reduce_leaf`, `_gather_leaf`, `_per_replica`, `_local_results` and
     `_is_distributed`.
     """
@@ -124,20 +98,12 @@ class BackendStrategy:
 
     def scope(self):
         """Makes this strategy current: models, optimizers and metrics created inside belong to it."""
-        return _Scope(self)
-
-    def _require_cross_replica(self, api):
-        if context.get_replica_context() is not None and context.has_strategy():
-            raise StrategyScopeError(
-                f"{api} must be called in a cross-replica context, but it was called "
-                "from a replica function. Use kdist.get_replica_context().merge_call "
-                "to reach the cross-replica context from a replica."
-            )
+        return StrategyScope(self)
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """Calls `fn` once per replica in a replica context; see `kdist.Strategy.run`."""
         del options
-        self._require_cross_replica("run")
+        context.require_cross_replica("run")
         with self.scope():
             return self._call_for_each_replica(fn, tuple(args or ()), dict(kwargs or {}))
 
@@ -148,7 +114,7 @@ class BackendStrategy:
             The backend's tensor type, on the host.
         """
         reduce_op = ReduceOp.from_value(reduce_op)
-        self._require_cross_replica("reduce")
+        context.require_cross_replica("reduce")
         with self.scope():
             return nest.map_structure(
                 lambda leaf: self._reduce_leaf(reduce_op, self._check_reducible(reduce_op, leaf, axis), axis),
@@ -167,7 +133,7 @@ class BackendStrategy:
 
     def gather(self, value, axis):
         """Concatenates every replica's component of `value` along `axis` on the host."""
-        self._require_cross_replica("gather")
+        context.require_cross_replica("gather")
         with self.scope():
             return nest.map_structure(lambda leaf: self._gather_leaf(leaf, axis), value)
 

@@ -33,11 +33,11 @@ import keras
 from kdist._backend import STRATEGY_BACKENDS
 from kdist.backends.common import BackendExtended, BackendReplicaContext, BackendStrategy
 from kdist.distribute import batching, context, nest
-from kdist.distribute.extended import _check_gather_shapes
+from kdist.distribute.extended import check_gather_shapes
 from kdist.distribute.devices import resolve_devices
+from kdist.distribute.input import per_replica_structure
 from kdist.distribute.values import (
     DistributedValues,
-    PerReplica,
     check_num_components,
     local_results,
     regroup,
@@ -168,9 +168,6 @@ class MirroredStrategy(BackendStrategy):
         """The `keras.distribution.DataParallel` this strategy drives."""
         return self._extended.native
 
-    def _native_scope(self):
-        return self._extended.native.scope()
-
     def _call_for_each_replica(self, fn, args, kwargs):
         check_num_components((args, kwargs), len(self._devices), "args/kwargs")
         variables = [variable for model in list(self._models) for variable in model.variables]
@@ -221,18 +218,15 @@ class MirroredStrategy(BackendStrategy):
                 "Cannot gather scalars: components must have rank >= 1. Received a "
                 "rank-0 value. Add a dimension first (e.g. x[None])."
             )
-        _check_gather_shapes(components, axis)
+        check_gather_shapes(components, axis)
         return jnp.concatenate(components, axis=axis)
 
     def _local_results(self, value):
         return local_results(value)
 
     def _per_replica(self, values):
-        placed = [nest.map_structure(lambda leaf, device=device: _to_device(leaf, device), value)
-                  for value, device in zip(values, self._devices)]
-        if len(placed) == 1:
-            return placed[0]
-        return nest.map_structure(lambda *leaves: PerReplica(leaves), *placed)
+        return per_replica_structure([nest.map_structure(lambda leaf, device=device: _to_device(leaf, device), value)
+                                      for value, device in zip(values, self._devices)])
 
     def check_batches(self, method, args, kwargs):
         """Raises if a `fit`/`evaluate`/`predict` call on arrays has a batch that does not split evenly.

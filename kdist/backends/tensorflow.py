@@ -148,9 +148,6 @@ class _ReplicaContext(BackendReplicaContext):
 class _TensorFlowStrategy(BackendStrategy):
     """The kdist API over one `tf.distribute` strategy (see the module docstring)."""
 
-    def _native_scope(self):
-        return self._extended.native.scope()
-
     def _call_for_each_replica(self, fn, args, kwargs):
         strategy = self
 

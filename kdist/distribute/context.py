@@ -123,6 +123,20 @@ def get_replica_context():
     return _top().replica_context
 
 
+def require_cross_replica(api):
+    """Raises unless the caller is in a cross-replica context (not inside a replica function).
+
+    Raises:
+        kdist.errors.StrategyScopeError: naming `api` and `merge_call` as the way out.
+    """
+    if get_replica_context() is not None and has_strategy():
+        raise StrategyScopeError(
+            f"{api} must be called in a cross-replica context, but it was called "
+            "from a replica function. Use kdist.get_replica_context().merge_call "
+            "to reach the cross-replica context from a replica."
+        )
+
+
 def get_cross_replica_context():
     """Returns the current strategy in a cross-replica context, else None."""
     frame = _top()

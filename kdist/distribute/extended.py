@@ -29,7 +29,7 @@ def to_tensor(value):
     return torch.as_tensor(value)
 
 
-def _check_gather_shapes(components, axis):
+def check_gather_shapes(components, axis):
     """Raises unless the components can be concatenated along `axis`."""
     shapes = [tuple(component.shape) for component in components]
     rank = len(shapes[0])
@@ -125,12 +125,7 @@ class StrategyExtended:
             return replica_runner.run_per_replica(strategy, fn, args, kwargs)
 
     def _require_cross_replica(self, api):
-        if context.get_replica_context() is not None and context.has_strategy():
-            raise StrategyScopeError(
-                f"{api} must be called in a cross-replica context, but it was called "
-                "from a replica function. Use kdist.get_replica_context().merge_call "
-                "to reach the cross-replica context from a replica."
-            )
+        context.require_cross_replica(api)
 
     # ----- reductions -----------------------------------------------------------
     def _destination_devices(self, destinations):
@@ -203,7 +198,7 @@ class StrategyExtended:
                 "Cannot gather scalars: components must have rank >= 1. Received a "
                 "rank-0 value. Add a dimension first (e.g. x[None])."
             )
-        _check_gather_shapes(components, axis)
+        check_gather_shapes(components, axis)
         device = torch.device(destination) if not hasattr(destination, "torch_device") else destination.torch_device
         return torch.cat([c.to(device) for c in components], dim=axis)
 

@@ -88,7 +88,7 @@ def _place(structure, device):
     return nest.map_structure(move, structure)
 
 
-def _per_replica_structure(shards):
+def per_replica_structure(shards):
     """Turns one structure per replica into one structure of `PerReplica` leaves."""
     if len(shards) == 1:
         return shards[0]
@@ -120,7 +120,7 @@ class DistributedDataset:
                 _place(shard, device.torch_device)
                 for (shard, _), device in zip(shards, self._devices)
             ]
-            yield _per_replica_structure(placed)
+            yield per_replica_structure(placed)
 
 
 class DistributedDatasetFromFunction:
@@ -151,4 +151,4 @@ class DistributedDatasetFromFunction:
                     shards.append(_place(next(iterator), device.torch_device))
                 except StopIteration:
                     return
-            yield _per_replica_structure(shards)
+            yield per_replica_structure(shards)

@@ -18,8 +18,12 @@ from kdist.distribute.values import DistributedValues, PerReplica, local_results
 from kdist.types import ReduceOp
 
 
-class _Scope:
-    """Context manager returned by `Strategy.scope()`; re-entrant and nestable."""
+class StrategyScope:
+    """Context manager returned by `scope()`: kdist's context frame plus `extended.variable_device_scope()`.
+
+    Re-entrant and nestable. The TensorFlow and JAX strategies use it too;
+    their `variable_device_scope()` is the backend's own scope.
+    """
 
     def __init__(self, strategy):
         self._strategy = strategy
@@ -33,8 +37,12 @@ class _Scope:
             self._pushed.append(None)
             return self._strategy
         context.push(self._strategy, None)
-        device_scope = self._strategy.extended.variable_device_scope()
-        device_scope.__enter__()
+        try:
+            device_scope = self._strategy.extended.variable_device_scope()
+            device_scope.__enter__()
+        except BaseException:
+            context.pop(self._strategy)  # no frame left behind by a scope that did not open
+            raise
         self._pushed.append(device_scope)
         return self._strategy
 
@@ -90,7 +98,7 @@ class Strategy:
             model.compile(optimizer="adam", loss="mse")
         ```
         """
-        return _Scope(self)
+        return StrategyScope(self)
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """Calls `fn` once per replica in a replica context.
