@@ -39,6 +39,7 @@ from kdist.distribute import (  # noqa: E402
     partitioners,
 )
 from kdist import coordinator  # noqa: E402
+from kdist import nn  # noqa: E402
 from kdist.backends import visible_gpus  # noqa: E402
 from kdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from kdist.types import ReduceOp, VariableAggregation  # noqa: E402
@@ -83,6 +84,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "nn",
     "partitioners",
     "ps",
     "visible_gpus",

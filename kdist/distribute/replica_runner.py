@@ -46,13 +46,12 @@ class _ReplicaThread(threading.Thread):
     def run(self):
         try:
             self._wait_for_turn()
-            device = self.strategy.extended.replica_devices[self.replica_id]
             replica_context = context.ReplicaContext(
                 self.strategy, self.replica_id, merge_handler=self._merge
             )
             context.push(self.strategy, replica_context)
             try:
-                with device_scope(device):
+                with self.strategy.extended.replica_device_scope(self.replica_id):
                     self.result = self.fn(*self.args, **self.kwargs)
             finally:
                 context.pop(self.strategy)
@@ -98,15 +97,27 @@ def run_per_replica(strategy, fn, args=(), kwargs=None):
     """
     kwargs = kwargs or {}
     num_replicas = len(strategy.extended.replica_devices)
-    threads = [
-        _ReplicaThread(
-            strategy,
-            replica_id,
-            fn,
-            select_replica(replica_id, args),
-            select_replica(replica_id, kwargs),
-        )
+    calls = [
+        (replica_id, select_replica(replica_id, args), select_replica(replica_id, kwargs))
         for replica_id in range(num_replicas)
+    ]
+    return regroup(run_replicas(strategy, fn, calls))
+
+
+def run_replicas(strategy, fn, calls):
+    """Runs `fn(*args, **kwargs)` for each `(replica_id, args, kwargs)` in `calls`.
+
+    The replicas named in `calls` (this process's replica ids, in order) take
+    part in each `merge_call`; a merge function sees one component per call.
+
+    Returns:
+        The list of `fn`'s results, in the order of `calls`.
+
+    Raises:
+        As `run_per_replica`.
+    """
+    threads = [
+        _ReplicaThread(strategy, replica_id, fn, args, kwargs) for replica_id, args, kwargs in calls
     ]
     for thread in threads:
         thread.start()
@@ -137,7 +148,7 @@ def run_per_replica(strategy, fn, args=(), kwargs=None):
                 thread.should_run.set()
         for thread in threads:
             thread.join(timeout=LIVENESS_CHECK_SECONDS * 10)
-    return regroup([thread.result for thread in threads])
+    return [thread.result for thread in threads]
 
 
 def _merge(strategy, threads):
@@ -156,9 +167,9 @@ def _merge(strategy, threads):
         result = merge_fn(strategy, *merged_args, **merged_kwargs)
     finally:
         context.pop(strategy)
-    for thread in threads:
+    for position, thread in enumerate(threads):
         thread.merge_request = None
-        thread.merge_result = select_replica(thread.replica_id, result)
+        thread.merge_result = select_replica(position, result)
 
 
 def run_single_replica(strategy, fn, args=(), kwargs=None):
@@ -173,4 +184,4 @@ def run_single_replica(strategy, fn, args=(), kwargs=None):
         context.pop(strategy)
 
 
-__all__ = ["run_per_replica", "run_single_replica"]
+__all__ = ["run_per_replica", "run_replicas", "run_single_replica"]

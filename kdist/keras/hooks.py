@@ -8,7 +8,8 @@ to that strategy; attaching installs overrides *on that instance only*:
   the strategy's scope (lazily built models create their variables there);
 - with more than one replica, `make_train_function`/`make_test_function`/
   `make_predict_function` return the replica engine's step functions;
-- the optimizer's `apply` records gradients during replica steps.
+- the optimizer's `apply` records or merges gradients during replica steps
+  (`kdist.keras.gradient_merge`, which also routes every optimizer class).
 
 The model's class is never changed, so a saved `.keras` file loads in plain
 Keras without kdist.
@@ -20,8 +21,8 @@ import warnings
 
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, coordinator_runtime, multi_worker, ps_training, replica_engine
-from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution, wrap_optimizer
+from kdist.keras import _compat, coordinator_runtime, gradient_merge, multi_worker, ps_training, replica_engine, sync_batchnorm
+from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution
 
 _SCOPED_METHODS = (
     "fit",
@@ -44,6 +45,10 @@ def install():
         return
     # Workers started in this process rebuild Keras models, optimizers and metrics.
     coordinator_runtime.install()
+    # BatchNormalization(synchronized=True) inside a kdist scope (torch only).
+    sync_batchnorm.install()
+    # Every optimizer's `apply` records or merges when replicas call it.
+    gradient_merge.install()
     trainer = _compat.Trainer
     original_init = trainer.__init__
     original_compile = trainer.compile
@@ -112,7 +117,7 @@ def attach(model, strategy):
     if ps_training.is_parameter_server(strategy):
         # Before the replica engine's wrapper, which then records around this one.
         ps_training.connect_optimizer(model, strategy)
-    wrap_optimizer(getattr(model, "optimizer", None))
+    gradient_merge.wrap(getattr(model, "optimizer", None))
     if multi_worker.collectives_of(strategy) is not None and not replica_engine._TESTING_FAULTS.upstream_metrics_result:
         # Metrics are already combined across processes by kdist (see _compat).
         _override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))

@@ -1,0 +1,223 @@
+"""`optimizer.apply` on replicas: TensorFlow's merge in custom loops, and steps that apply twice under `fit`.
+
+- A custom loop (`strategy.run` + `apply_gradients` inside the replica
+  function, TensorFlow's tutorial ported by renames) sums the replicas'
+  gradients and applies them once per step: the weights equal one device's and
+  `iterations` equals the number of steps, in one process and across two.
+- A `train_step` with two optimizers (the keras.io GAN pattern) runs in the
+  engine's merge mode: the generator's gradients see the discriminator's update,
+  as on one device.
+
+Each has a negative control: the old per-replica apply, and recording both
+applies without merging.
+"""
+
+import contextlib
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+import kdist
+from kdist.keras import replica_engine
+from tests import harness
+from tests.keras import _models as m
+from tests.keras.workers import custom_loop_tutorial as tutorial
+
+TOLERANCE = 1e-5
+
+
+@contextlib.contextmanager
+def fault(**flags):
+    saved = replica_engine._TESTING_FAULTS
+    replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(**flags)
+    try:
+        yield
+    finally:
+        replica_engine._TESTING_FAULTS = saved
+
+
+def worst_differences(reference, results):
+    assert set(reference) == set(results), set(reference) ^ set(results)
+    diffs = {key: float(np.max(np.abs(np.asarray(reference[key], "float64") - results[key]))) for key in reference}
+    return {key: diff for key, diff in diffs.items() if diff > TOLERANCE}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return tutorial.train(kdist.get_strategy())
+
+
+# ----- custom loop: strategy.run + apply_gradients --------------------------------
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_custom_loop_tutorial_matches_one_device(one_device, num_replicas):
+    results = tutorial.train(m.mirrored(num_replicas))
+    assert int(results["iterations"]) == int(results["steps"])
+    assert worst_differences(one_device, results) == {}
+
+
+def test_negative_control_applying_once_per_replica_is_caught(one_device):
+    with fault(unmerged_replica_apply=True):
+        results = tutorial.train(m.mirrored(2))
+    assert int(results["iterations"]) == 2 * int(results["steps"])
+    assert worst_differences(one_device, results)
+
+
+def test_custom_loop_tutorial_across_two_processes(one_device, tmp_path):
+    specs = harness.python_specs(harness.torchrun_envs(2), Path(tutorial.__file__), "--out", str(tmp_path))
+    harness.run(specs, timeout=180).check()
+    ranks = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(2)]
+    # Keras metrics in a custom loop count this process's samples only (see
+    # docs/custom_loop.md); the loss, reduced by strategy.reduce, and everything
+    # trained must match one device on every rank.
+    trained = [key for key in one_device if key != "history"]
+    for results in ranks:
+        assert int(results["iterations"]) == int(results["steps"])
+        assert worst_differences({k: one_device[k] for k in trained}, {k: results[k] for k in trained}) == {}
+        np.testing.assert_allclose(results["history"][:, 0], one_device["history"][:, 0], rtol=1e-5)
+
+
+def test_apply_in_cross_replica_context_applies_at_once():
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        variable = keras.Variable(np.ones(3, "float32"))
+        optimizer = keras.optimizers.SGD(1.0)
+    optimizer.apply([torch.full((3,), 0.5)], [variable])
+    np.testing.assert_allclose(variable.numpy(), 0.5)
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+def test_replicas_that_disagree_on_gradients_are_refused_before_any_update():
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        variables = [keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(2, "float32"))]
+        optimizer = keras.optimizers.SGD(1.0)
+
+    def step():
+        replica = kdist.get_replica_context().replica_id_in_sync_group
+        grads = [torch.ones(2), torch.ones(2) if replica == 0 else None]
+        optimizer.apply(grads, variables)
+
+    with pytest.raises(kdist.errors.ReplicaGradientError, match="no gradient"):
+        strategy.run(step)
+    for variable in variables:
+        np.testing.assert_array_equal(variable.numpy(), 1.0)
+    assert int(optimizer.iterations.numpy()) == 0
+
+
+# ----- a train_step with two optimizers (keras.io's torch GAN) -------------------
+LATENT = 4
+
+
+class GAN(keras.Model):
+    """keras.io's "DCGAN overriding Model.train_step" for torch, with the latent
+    vectors read from the batch instead of drawn in the step (random draws differ
+    per replica, as Dropout masks do)."""
+
+    def __init__(self, discriminator, generator):
+        super().__init__()
+        self.discriminator = discriminator
+        self.generator = generator
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        self.built = True
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.loss_fn = loss_fn
+
+    def train_step(self, data):
+        real_images, random_latent_vectors, more_latent_vectors = data[0]
+        batch_size = real_images.shape[0]
+        generated_images = self.generator(random_latent_vectors)
+        combined_images = torch.concat([generated_images, real_images], axis=0)
+        labels = torch.concat([torch.ones((batch_size, 1)), torch.zeros((batch_size, 1))], axis=0)
+
+        # Train the discriminator
+        self.zero_grad()
+        predictions = self.discriminator(combined_images)
+        d_loss = self.loss_fn(labels, predictions)
+        d_loss.backward()
+        grads = [v.value.grad for v in self.discriminator.trainable_weights]
+        with torch.no_grad():
+            self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+
+        # Train the generator (through the discriminator just updated)
+        misleading_labels = torch.zeros((batch_size, 1))
+        self.zero_grad()
+        predictions = self.discriminator(self.generator(more_latent_vectors))
+        g_loss = self.loss_fn(misleading_labels, predictions)
+        g_loss.backward()
+        grads = [v.value.grad for v in self.generator.trainable_weights]
+        with torch.no_grad():
+            self.g_optimizer.apply(grads, self.generator.trainable_weights)
+
+        # Weighted by the batch size, so the replicas' updates add up to one device's.
+        self.d_loss_tracker.update_state(d_loss, sample_weight=batch_size)
+        self.g_loss_tracker.update_state(g_loss, sample_weight=batch_size)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+def build_gan():
+    m.seeded(5)
+    discriminator = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
+    generator = keras.Sequential(
+        [keras.Input((LATENT,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(6)]
+    )
+    gan = GAN(discriminator, generator)
+    gan.compile(
+        d_optimizer=keras.optimizers.Adam(3e-3),
+        g_optimizer=keras.optimizers.Adam(3e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    return gan
+
+
+def gan_data():
+    rng = np.random.default_rng(1)
+    real = (rng.normal(size=(300, 6)) + np.arange(6)).astype("float32")
+    return real, rng.normal(size=(300, LATENT)).astype("float32"), rng.normal(size=(300, LATENT)).astype("float32")
+
+
+def fit_gan(gan):
+    history = gan.fit(gan_data(), batch_size=64, epochs=2, shuffle=False, verbose=0)  # 300 = 4 * 64 + 44
+    state = {f"weight/{i}": v.numpy() for i, v in enumerate(gan.weights)}
+    for name in ("d_optimizer", "g_optimizer"):
+        optimizer = getattr(gan, name)
+        state.update({f"{name}/{i}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)})
+    state.update({f"history/{k}": np.asarray(v) for k, v in history.history.items()})
+    return state
+
+
+@pytest.fixture(scope="module")
+def plain_gan():
+    return fit_gan(build_gan())
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_gan_with_two_optimizers_matches_plain_keras(plain_gan, num_replicas):
+    with m.mirrored(num_replicas).scope():
+        gan = build_gan()
+    results = fit_gan(gan)
+    steps = 2 * 5
+    assert int(gan.d_optimizer.iterations.numpy()) == steps
+    assert int(gan.g_optimizer.iterations.numpy()) == steps
+    assert worst_differences(plain_gan, results) == {}
+
+
+def test_negative_control_recording_both_applies_is_caught(plain_gan):
+    with fault(no_merge_mode=True):
+        with m.mirrored(2).scope():
+            gan = build_gan()
+        results = fit_gan(gan)
+    assert worst_differences(plain_gan, results)

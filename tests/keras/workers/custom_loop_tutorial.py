@@ -1,0 +1,147 @@
+"""TensorFlow's "Custom training with tf.distribute.Strategy" tutorial, ported by renames.
+
+The renames: `tf.distribute.X` -> `kdist.X`, `tf.keras` -> `keras`,
+`tf.nn.compute_average_loss`/`scale_regularization_loss` -> `kdist.nn.*`,
+`tf.add_n` -> `sum`, `tf.data` batches -> a list of global batches. The one
+line that is not a rename: torch has no `tf.GradientTape`, so the gradients
+come from `loss.backward()` and each variable's `.grad`. `@tf.function` is
+dropped (the step runs eagerly). Checkpoints use `model.save_weights`.
+
+Imported, `train(strategy)` runs it and returns what the tests compare; run as
+a script (under `kdist launch`) it trains with `MultiWorkerMirroredStrategy`
+and writes `<out>/rank<r>.npz`.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import kdist  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+GLOBAL_BATCH_SIZE = 60  # 1000 = 16 * 60 + 40: the last batch is partial
+EPOCHS = 2
+SEED = 3
+
+
+def make_data():
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(1000, 8, 8, 1)).astype("float32")
+    labels = (images[:, :4, :4, 0].mean(axis=(1, 2)) > 0).astype("int64") + (images[:, 0, 0, 0] > 1)
+    return images, labels.astype("int64")
+
+
+def create_model():
+    regularizer = keras.regularizers.L2(1e-3)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(8, 3, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.Dense(3, kernel_regularizer=regularizer),
+        ]
+    )
+    return model
+
+
+def train(strategy):
+    """The tutorial's program; returns weights, optimizer state and per-epoch logs."""
+    keras.utils.set_random_seed(SEED)
+    images, labels = make_data()
+    train_dataset = [
+        (images[i : i + GLOBAL_BATCH_SIZE], labels[i : i + GLOBAL_BATCH_SIZE])
+        for i in range(0, 800, GLOBAL_BATCH_SIZE)
+    ]
+    test_dataset = [(images[800:900], labels[800:900]), (images[900:], labels[900:])]
+    train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+    test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
+
+    with strategy.scope():
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+        def compute_loss(labels, predictions, model_losses):
+            per_example_loss = loss_object(labels, predictions)
+            loss = kdist.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH_SIZE)
+            if model_losses:
+                loss += kdist.nn.scale_regularization_loss(sum(model_losses))
+            return loss
+
+        test_loss = keras.metrics.Mean(name="test_loss")
+        train_accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+        test_accuracy = keras.metrics.SparseCategoricalAccuracy(name="test_accuracy")
+        model = create_model()
+        optimizer = keras.optimizers.Adam(learning_rate=0.01)
+
+    def train_step(inputs):
+        images, labels = inputs
+        predictions = model(images, training=True)
+        loss = compute_loss(labels, predictions, model.losses)
+        # torch in place of tf.GradientTape: backward, then each variable's .grad.
+        model.zero_grad()
+        loss.backward()
+        gradients = [v.value.grad for v in model.trainable_variables]
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        train_accuracy.update_state(labels, predictions)
+        return loss.detach()
+
+    def test_step(inputs):
+        images, labels = inputs
+        predictions = model(images, training=False)
+        t_loss = loss_object(labels, predictions)
+        test_loss.update_state(t_loss)
+        test_accuracy.update_state(labels, predictions)
+
+    def distributed_train_step(dataset_inputs):
+        per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+        return strategy.reduce(kdist.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    def distributed_test_step(dataset_inputs):
+        return strategy.run(test_step, args=(dataset_inputs,))
+
+    history = []
+    for epoch in range(EPOCHS):
+        total_loss = 0.0
+        num_batches = 0
+        for x in train_dist_dataset:
+            total_loss += float(distributed_train_step(x))
+            num_batches += 1
+        train_loss = total_loss / num_batches
+        with torch.no_grad():
+            for x in test_dist_dataset:
+                distributed_test_step(x)
+        history.append([train_loss, float(train_accuracy.result()), float(test_loss.result()),
+                        float(test_accuracy.result())])
+        print(
+            f"Epoch {epoch + 1}, Loss: {train_loss:.4f}, Accuracy: {float(train_accuracy.result()) * 100:.2f}, "
+            f"Test Loss: {float(test_loss.result()):.4f}, Test Accuracy: {float(test_accuracy.result()) * 100:.2f}"
+        )
+        test_loss.reset_state()
+        train_accuracy.reset_state()
+        test_accuracy.reset_state()
+
+    results = {f"weight/{i}": v.numpy() for i, v in enumerate(model.weights)}
+    results.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)})
+    results["history"] = np.asarray(history)
+    results["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
+    results["steps"] = np.asarray(EPOCHS * len(train_dataset))
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    strategy = kdist.MultiWorkerMirroredStrategy()
+    results = train(strategy)
+    np.savez(os.path.join(args.out, f"rank{strategy.extended.collectives.rank}.npz"), **results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
