@@ -221,3 +221,27 @@ def test_negative_control_recording_both_applies_is_caught(plain_gan):
             gan = build_gan()
         results = fit_gan(gan)
     assert worst_differences(plain_gan, results)
+
+
+def test_parameter_server_worker_with_two_devices_pushes_one_summed_update():
+    from tests.keras import _ps
+
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver(), devices=["cpu:0", "cpu:1"])
+        with strategy.scope():
+            variable = keras.Variable(np.ones((3,), "float32"))
+            optimizer = keras.optimizers.SGD(0.5)
+
+        def step():
+            replica = kdist.get_replica_context().replica_id_in_sync_group
+            optimizer.apply_gradients([(torch.full((3,), float(replica + 1)), variable)])
+
+        before = cluster.stats()[0].requests.get("push", 0)
+        strategy.run(step)
+        assert cluster.stats()[0].requests.get("push", 0) - before == 1
+        # (1 + 2) summed, times the learning rate 0.5.
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), np.full(3, -0.5))
+        key = strategy.extended.remote_variables.entry(variable).keys[0]
+        (state,) = cluster.clients()[0].pull([key])
+        np.testing.assert_allclose(state.value, np.full(3, -0.5))
+        assert int(optimizer.iterations.numpy()) == 1
