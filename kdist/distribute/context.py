@@ -258,12 +258,11 @@ class ReplicaContext:
 
 
 def sequential_merge_handler(merge_fn, args, kwargs):
-    """Merge handler for replicas that run one after another (the Keras engine)."""
+    """Merge handler for replicas that run one after another (the Keras engine's evaluate/predict)."""
     raise UnsupportedError(
         "merge_call, all_reduce and all_gather are not available inside a Keras "
-        "train_step/test_step run by model.fit/evaluate: kdist runs those replicas one "
-        "after another and combines gradients, metrics and layer state after the "
-        "step. Write a custom loop with strategy.run(...) to use cross-replica "
-        "communication inside a step."
+        "test_step/predict_step run by model.evaluate/predict: kdist runs those "
+        "replicas one after another and combines metrics after the step. They work "
+        "inside train_step (fit) and in a custom loop with strategy.run(...)."
     )
 

@@ -245,3 +245,34 @@ def test_parameter_server_worker_with_two_devices_pushes_one_summed_update():
         (state,) = cluster.clients()[0].pull([key])
         np.testing.assert_allclose(state.value, np.full(3, -0.5))
         assert int(optimizer.iterations.numpy()) == 1
+
+
+class AllReduceInStep(keras.Sequential):
+    """A train_step that asks the other replicas something (here: the global batch size)."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        size = torch.tensor(float(keras.utils.unpack_x_y_sample_weight(data)[0].shape[0]))
+        logs["global_batch"] = kdist.get_replica_context().all_reduce("sum", size)
+        return logs
+
+
+def build_all_reduce_model():
+    m.seeded(9)
+    model = AllReduceInStep([keras.Input((12,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)])
+    return m.compile_classifier(model)
+
+
+def test_all_reduce_inside_train_step_under_fit_runs_in_merge_mode():
+    x, y = m.classification_data(200)
+    plain = build_all_reduce_model()
+    with m.mirrored(3).scope():
+        distributed = build_all_reduce_model()
+    batches = []
+    for model in (plain, distributed):
+        seen = []
+        callback = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(float(logs["global_batch"])))
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+        batches.append(seen)
+    assert batches[0] == batches[1] == [64.0, 64.0, 64.0, 8.0]
+    m.assert_same_state(plain, distributed)
