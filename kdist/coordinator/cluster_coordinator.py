@@ -292,7 +292,8 @@ class ClusterCoordinator:
                     started = failing_since.setdefault(client.address, time.monotonic())
                     if time.monotonic() - started >= self._ps_unavailable_seconds:
                         self._queue.fail(ParameterServerUnavailableError(
-                            client.address, self._ps_unavailable_seconds, error.detail))
+                            client.address, self._ps_unavailable_seconds, error.detail,
+                            elapsed_seconds=time.monotonic() - started))
                 except Exception:  # a refusal (e.g. a token mismatch) is not an outage
                     failing_since.pop(client.address, None)
             self._stopped.wait(PS_HEALTH_CHECK_SECONDS)

@@ -124,6 +124,12 @@ class Dispatcher:
         """Asks the worker who it is; on a new instance, forgets what was defined there (under the lock)."""
         try:
             response = self._stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_SECONDS, metadata=self._metadata)
+        except ValueError:
+            # `shutdown()` closed the channel while this thread was between checks.
+            if self.coordinator._stopped.is_set():
+                self.available = False
+                return False
+            raise
         except grpc.RpcError as error:
             if error.code() not in _WORKER_LOST:
                 self.coordinator._queue.fail(WorkerError(self.address, error.code().name, error.details()))

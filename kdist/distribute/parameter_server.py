@@ -13,6 +13,7 @@ See `docs/parameter_server.md`.
 """
 
 import contextlib
+import dataclasses
 import weakref
 
 from kdist._backend import STRATEGY_BACKENDS, require_backend
@@ -29,6 +30,23 @@ from kdist.errors import InvalidArgumentError
 from kdist.ps import Security
 
 PS_JOB = "ps"
+WORKER_JOB = "worker"
+
+
+@dataclasses.dataclass
+class FaultInjection:
+    """Deliberate bugs for the negative-control tests. Never set these in user code.
+
+    Attributes:
+        coordinator_not_chief: the coordinator is not treated as the chief,
+            so `model.save`, `ModelCheckpoint` and `BackupAndRestore` there
+            write nothing (the bug TensorFlow's tutorial hit before).
+    """
+
+    coordinator_not_chief: bool = False
+
+
+_TESTING_FAULTS = FaultInjection()
 
 
 class ParameterServerExtended(ChiefRoles, MirroredExtended):
@@ -86,9 +104,32 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
 
     # ----- roles (TensorFlow's names) -------------------------------------------------
     @property
+    def is_coordinator(self):
+        """True for the process that drives the workers (TensorFlow 2's coordinator).
+
+        That is the process that created a `kdist.coordinator.ClusterCoordinator`
+        for this strategy, or, in a cluster with `worker` tasks, the `chief`
+        task or a process whose resolver names no task (as in TensorFlow's
+        in-process cluster). Its `model.fit` schedules closures onto the workers.
+        """
+        if self._cluster_coordinator is not None:
+            return True
+        resolver = self.cluster_resolver
+        spec = resolver.cluster_spec()
+        has_workers = WORKER_JOB in spec.jobs and spec.num_tasks(WORKER_JOB) > 0
+        return has_workers and resolver.task_type in (None, "chief")
+
+    @property
     def is_chief(self):
-        """True for the `chief` task, or worker 0 when the cluster has no chief."""
-        return self.cluster_resolver.is_chief
+        """True for the task that writes checkpoints and summaries.
+
+        The coordinator (see `is_coordinator`), a process whose resolver names
+        no task, the `chief` task, or worker 0 when the cluster has no chief
+        (between-graph training).
+        """
+        if _TESTING_FAULTS.coordinator_not_chief:
+            return self.cluster_resolver.is_chief
+        return self.is_coordinator or self.cluster_resolver.task_type is None or self.cluster_resolver.is_chief
 
 
     @property

@@ -16,28 +16,41 @@ worker service (`kdist.coordinator`): it runs the functions a
 code its coordinator sends: give every task the cluster's token (`security`),
 and TLS beyond one machine. The chief and evaluator need no server.
 
-Differences from TensorFlow: there is no `protocol`/`config` (the protocol is
-always gRPC; `options` and `security` configure it), `target` is the
-`"host:port"` a `kdist.ps.VariableClient` connects to (TensorFlow's is a
-`grpc://` session target), and a server binds the loopback interface unless
+As in TensorFlow, a started server serves until `stop()` or the end of the
+process, even when the program drops the `Server` object (TensorFlow's
+tutorial creates its in-process cluster that way).
+
+Differences from TensorFlow: `protocol` accepts only `"grpc"` (or None) and
+`config` only None (`options` and `security` configure the servers), `target`
+is the `"host:port"` a `kdist.ps.VariableClient` connects to (TensorFlow's is
+a `grpc://` session target), and a server binds the loopback interface unless
 `bind_address` says otherwise.
 """
 
 import threading
-from collections.abc import Mapping
 
-from kdist.cluster import ClusterResolver, ClusterSpec
 from kdist.cluster.spec import format_address, split_address
-from kdist.cluster.resolvers import check_task_types
+from kdist.distribute.server_arguments import (
+    DEFAULT_BIND_HOST,
+    _as_cluster_spec,
+    _check_options,
+    _check_security,
+    _check_task,
+    check_config,
+    check_protocol,
+    resolve_bind_address,
+)
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.types import TaskType
 
-# Where a server listens unless told otherwise: reachable from this host only,
-# so a cluster is never exposed to the network by accident.
-DEFAULT_BIND_HOST = "127.0.0.1"
 # Hosts that mean "every interface"; a client on this host reaches them through loopback.
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 _SERVED_JOBS = (TaskType.PS.value, TaskType.WORKER.value)
+# Every started, not yet stopped `Server` of this process. Holding them here is
+# what keeps a server serving after its program dropped the object (gRPC stops
+# a server when it is garbage-collected); `stop()` removes it.
+_serving = set()
+_serving_lock = threading.Lock()
 
 
 class Server:
@@ -51,6 +64,9 @@ class Server:
             `kdist.cluster.ClusterResolver` (its `cluster_spec()` is used).
         job_name: this task's job, e.g. `"ps"`.
         task_index: this task's index in its job.
+        protocol: TensorFlow's argument: `"grpc"` or None (the same).
+        config: TensorFlow's session config: only None.
+        start: start serving at once, as TensorFlow's `Server` does.
         bind_address: where to listen: a host (`"0.0.0.0"`, the port is the
             task's port in `cluster_spec`) or `"host:port"`. Default:
             `127.0.0.1` at the task's port (this host only). A port of 0 in
@@ -59,14 +75,16 @@ class Server:
             `max_staleness`, ...); None for the defaults.
         security: a `kdist.ps.Security` (TLS files, shared token); None for
             plain text without a token.
-        start: start serving at once, as TensorFlow's `Server` does.
 
     Raises:
         kdist.errors.InvalidArgumentError: `cluster_spec` is malformed, the
             task is not in it, its address is not `"host:port"`, or
-            `bind_address`, `options` or `security` has the wrong form.
-        kdist.errors.UnsupportedError: `job_name` is not `"ps"`: worker and
-            chief servers come with the `ClusterCoordinator`.
+            `bind_address`, `options`, `security` or `protocol` has the
+            wrong form.
+        kdist.errors.UnsupportedError: `job_name` is not `"ps"` or
+            `"worker"` (the chief runs the program, the evaluator
+            `kdist.SidecarEvaluator`), a `protocol` other than gRPC, or a
+            `config`.
 
     Example:
 
@@ -80,12 +98,16 @@ class Server:
         cluster_spec,
         job_name,
         task_index,
+        protocol=None,
+        config=None,
+        start=True,
         *,
         bind_address=None,
         options=None,
         security=None,
-        start=True,
     ):
+        self._protocol = check_protocol(protocol)
+        check_config(config)
         self._cluster_spec = _as_cluster_spec(cluster_spec)
         self._job_name, self._task_index = _check_task(self._cluster_spec, job_name, task_index)
         task_address = self._cluster_spec.task_address(job_name, task_index)
@@ -171,6 +193,11 @@ class Server:
         return format_address(_WILDCARD_HOSTS.get(host, host), self.port)
 
     @property
+    def protocol(self):
+        """The wire protocol: always `"grpc"`."""
+        return self._protocol
+
+    @property
     def started(self):
         """True while the server is serving (started and not stopped)."""
         return self._server is not None and not self._stopped
@@ -204,6 +231,8 @@ class Server:
                     self._server = create_server(
                         self._bind_address, options=self._options, security=self._security
                     )
+                with _serving_lock:
+                    _serving.add(self)
         return self
 
     def join(self, timeout=None):
@@ -243,6 +272,8 @@ class Server:
             server = self._server
             already = self._stopped
             self._stopped = True
+        with _serving_lock:
+            _serving.discard(self)
         if server is not None and not already:
             server.stop(grace)
 
@@ -273,111 +304,3 @@ class Server:
             f"Server(job_name={self._job_name!r}, task_index={self._task_index}, "
             f"bind_address={self.bind_address!r}, {state})"
         )
-
-
-def resolve_bind_address(bind_address, task_port):
-    """Returns the `"host:port"` to listen on.
-
-    Args:
-        bind_address: None (loopback), a host (`"0.0.0.0"`, `"::"`,
-            `"[::]"`, `"10.0.0.2"`), or `"host:port"` (`"0.0.0.0:2222"`,
-            `"[::]:2222"`).
-        task_port: the task's port in the cluster, used when `bind_address`
-            has none.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: `bind_address` is not a string of
-            one of those forms.
-
-    Example:
-
-    >>> resolve_bind_address(None, 2222), resolve_bind_address("::", 2222)
-    ('127.0.0.1:2222', '[::]:2222')
-    """
-    if bind_address is None:
-        return format_address(DEFAULT_BIND_HOST, task_port)
-    expected = (
-        "Expected a host such as '0.0.0.0' (the task's port is used) or 'host:port' such as "
-        "'0.0.0.0:2222'; IPv6 as '::' or '[::]:2222'."
-    )
-    if not isinstance(bind_address, str) or not bind_address.strip():
-        raise InvalidArgumentError(
-            f"bind_address must be a non-empty string. Received: bind_address={bind_address!r}. "
-            f"{expected}"
-        )
-    if bind_address.startswith("[") and bind_address.endswith("]"):
-        host = bind_address[1:-1]
-    elif bind_address.count(":") > 1 and not bind_address.startswith("["):
-        host = bind_address  # A bare IPv6 address: no port.
-    elif ":" in bind_address:
-        host, port = split_address(bind_address, "bind_address", allow_port_zero=True)
-        return format_address(host, port)
-    else:
-        host = bind_address
-    if not host or any(character.isspace() or character in "/@[]" for character in host):
-        raise InvalidArgumentError(
-            f"bind_address has a malformed host. Received: bind_address={bind_address!r}. "
-            f"{expected}"
-        )
-    return format_address(host, task_port)
-
-
-def _as_cluster_spec(cluster_spec):
-    if isinstance(cluster_spec, ClusterSpec):
-        return cluster_spec
-    if isinstance(cluster_spec, ClusterResolver):
-        return cluster_spec.cluster_spec()
-    if isinstance(cluster_spec, Mapping):
-        return ClusterSpec(cluster_spec)
-    raise InvalidArgumentError(
-        f"cluster_spec must describe the cluster. Received: cluster_spec={cluster_spec!r}. "
-        "Expected a kdist.cluster.ClusterSpec, a dict such as {'ps': ['host:2222']}, or a "
-        "ClusterResolver."
-    )
-
-
-def _check_task(cluster_spec, job_name, task_index):
-    check_task_types(job_name, task_index, "job_name", "task_index")
-    if job_name is None or task_index is None:
-        raise InvalidArgumentError(
-            f"A Server needs its task. Received: job_name={job_name!r}, "
-            f"task_index={task_index!r}. Expected e.g. job_name='ps', task_index=0."
-        )
-    if job_name not in cluster_spec.jobs:
-        raise InvalidArgumentError(
-            f"The job is not in the cluster. Received: job_name={job_name!r}. Expected one of "
-            f"the cluster's jobs: {cluster_spec.jobs}."
-        )
-    indices = cluster_spec.task_indices(job_name)
-    if task_index not in indices:
-        raise InvalidArgumentError(
-            f"The job has no such task. Received: task_index={task_index!r}. Expected one of "
-            f"the indices of job {job_name!r}: {indices}."
-        )
-    return job_name, task_index
-
-
-def _check_options(options):
-    if options is None:
-        return None
-    from kdist.ps import ServiceOptions
-
-    if not isinstance(options, ServiceOptions):
-        raise InvalidArgumentError(
-            f"options must be a kdist.ps.ServiceOptions. Received: options={options!r}."
-        )
-    return options
-
-
-def _check_security(security):
-    if security is None:
-        return None
-    from kdist.ps.security import Security
-
-    if not isinstance(security, Security):
-        raise InvalidArgumentError(
-            f"security must be a kdist.ps.Security. Received: security={security!r}."
-        )
-    # A configuration this server cannot serve fails here, not at start().
-    security.server_credentials()
-    return security

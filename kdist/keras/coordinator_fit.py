@@ -9,25 +9,17 @@ each batch — reading the latest variables and pushing gradients to the
 parameter servers — and returns the state of the model's metrics for its
 closure; the chief adds those up, so the logs cover every step once.
 
-Data:
-
-- arrays (`x`, `y`): the chief cuts each epoch into batches (shuffled unless
-  `shuffle=False`) and each closure carries its batches, so every example is
-  seen once per epoch even when a worker dies and its closure runs again.
-  `steps_per_epoch` defaults to the number of batches;
-- a `dataset_fn` (a callable returning a dataset; optionally taking a
-  `kdist.InputContext`) or a `PerWorkerDataset`: each worker builds and
-  iterates its own dataset. `steps_per_epoch` is required — the datasets
-  should repeat forever, so nothing else says where an epoch ends (for
-  `evaluate`, `steps`).
+Data: arrays, a `dataset_fn` (a generator function included), a
+`keras.utils.PyDataset` or a `PerWorkerDataset`; see
+`kdist.keras.coordinator_data` for how each is shared by the workers.
 
 Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
-parameter servers' state (weights and optimizer slots). A tqdm bar shows
+parameter servers' state (weights and optimizer slots); the chief's
+`optimizer.iterations` counts the steps the closures applied. A tqdm bar shows
 steps, steps/s, and how many closures were retried after worker failures.
 """
 
 import contextlib
-import math
 import time
 
 import keras
@@ -35,9 +27,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kdist.coordinator import ClusterCoordinator, PerWorkerDataset
+from kdist.coordinator import ClusterCoordinator
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
+from kdist.keras.coordinator_data import EpochSource, IndexedBatches, split_validation
 from kdist.keras.coordinator_runtime import add_state
 
 _UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "validation_sample_weight")
@@ -63,7 +56,7 @@ def run_steps(model, kind, source, steps):
         model.train(training)
     batch = None
     for step in range(steps):
-        batch = source[step] if isinstance(source, list) else next(source)
+        batch = source[step] if isinstance(source, (list, IndexedBatches)) else next(source)
         function([_to_torch(batch)])
     states = [np.asarray(variable.numpy()) for variable in _metric_variables(model)]
     # An empty batch of the same structure, shapes and dtypes: enough for the
@@ -119,67 +112,6 @@ def _results(model):
         array = keras.ops.convert_to_numpy(value)
         logs[name] = float(array) if np.ndim(array) == 0 else array
     return logs
-
-
-class _Source:
-    """Where one pass's batches come from: array batches on the chief, or per-worker iterators."""
-
-    def __init__(self, coordinator, x, y, batch_size, steps, shuffle, what, steps_name):
-        self.iterator = None
-        if callable(x) or isinstance(x, PerWorkerDataset):
-            if y is not None:
-                raise InvalidArgumentError(
-                    f"y must be None when x is a dataset_fn (the dataset yields (x, y)). Received: y of type {type(y).__name__}.")
-            if steps is None:
-                raise InvalidArgumentError(
-                    f"{steps_name} is required when {what} reads per-worker datasets: each worker's dataset "
-                    "should repeat forever, so nothing else says where an epoch ends. Received: "
-                    f"{steps_name}=None. Pass e.g. {steps_name}=100."
-                )
-            self.iterator = iter(coordinator.create_per_worker_dataset(x))
-            self.steps = _positive(steps_name, steps)
-            return
-        if x is None:
-            raise InvalidArgumentError("x must be arrays or a dataset_fn. Received: x=None.")
-        arrays = (x, y) if y is not None else (x,)
-        lengths = {len(array) for array in keras.tree.flatten(arrays)}
-        if len(lengths) != 1:
-            raise InvalidArgumentError(f"x and y must have the same number of samples. Received lengths {sorted(lengths)}.")
-        self.arrays = keras.tree.map_structure(np.asarray, arrays)
-        self.num_samples = lengths.pop()
-        self.batch_size = 32 if batch_size is None else _positive("batch_size", batch_size)
-        self.num_batches = math.ceil(self.num_samples / self.batch_size)
-        self.steps = self.num_batches if steps is None else _positive(steps_name, steps)
-        self.shuffle = shuffle
-        self._order = None
-        self._cursor = 0
-
-    def epoch_sources(self, pack):
-        """(steps, source) per closure of one epoch."""
-        chunks = []
-        for begin in range(0, self.steps, pack):
-            count = min(pack, self.steps - begin)
-            chunks.append((begin, count, self.iterator if self.iterator is not None else self._batches(count)))
-        return chunks
-
-    def _batches(self, count):
-        batches = []
-        for _ in range(count):
-            if self._order is None or self._cursor >= self.num_batches:
-                self._order = (np.random.permutation(self.num_samples) if self.shuffle
-                               else np.arange(self.num_samples))
-                self._cursor = 0
-            rows = self._order[self._cursor * self.batch_size:(self._cursor + 1) * self.batch_size]
-            self._cursor += 1
-            batch = keras.tree.map_structure(lambda array: array[rows], self.arrays)
-            batches.append(tuple(batch) if len(batch) > 1 else (batch[0],))
-        return batches
-
-
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer. Received: {name}={value!r}.")
-    return int(value)
 
 
 @contextlib.contextmanager
@@ -304,7 +236,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     if unknown:
         raise InvalidArgumentError(f"fit got unexpected arguments {unknown}.")
     coordinator = coordinator_for(strategy)
-    source = _Source(coordinator, x, y, batch_size, steps_per_epoch, shuffle, "fit", "steps_per_epoch")
+    source = EpochSource(coordinator, x, y, batch_size, steps_per_epoch, shuffle, "fit", "steps_per_epoch")
     verbose = 1 if verbose == "auto" else verbose
     pack = _pack(model)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -324,9 +256,10 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         finally:
             if progress is not None:
                 progress.close()
+        source.on_epoch_end()
         epoch_logs = dict(logs)
         if validation_data is not None and _should_evaluate(epoch, validation_freq):
-            val_x, val_y = _split_validation(validation_data)
+            val_x, val_y = split_validation(validation_data)
             val_logs = evaluate(model, strategy, val_x, val_y, batch_size=validation_batch_size or batch_size,
                                 verbose=0, steps=validation_steps, callbacks=callbacks, return_dict=True)
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
@@ -347,7 +280,7 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
     if kwargs:
         raise InvalidArgumentError(f"evaluate got unexpected arguments {sorted(kwargs)}.")
     coordinator = coordinator_for(strategy)
-    source = _Source(coordinator, x, y, batch_size, steps, False, "evaluate", "steps")
+    source = EpochSource(coordinator, x, y, batch_size, steps, False, "evaluate", "steps")
     verbose = 1 if verbose == "auto" else verbose
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
@@ -371,14 +304,3 @@ def _should_evaluate(epoch, validation_freq):
     if isinstance(validation_freq, int):
         return (epoch + 1) % validation_freq == 0
     return epoch + 1 in validation_freq
-
-
-def _split_validation(validation_data):
-    if callable(validation_data) or isinstance(validation_data, PerWorkerDataset):
-        return validation_data, None
-    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
-        return validation_data[0], validation_data[1]
-    raise InvalidArgumentError(
-        "validation_data must be (x_val, y_val) arrays or a dataset_fn. Received: "
-        f"{type(validation_data).__name__}."
-    )

@@ -19,6 +19,9 @@ sent once per worker as a resource:
   returns its state variables; the chief adds them into its own metric, so
   `metric.result()` on the chief covers every closure exactly once (metric
   states are sums — counts and totals — for every built-in Keras metric).
+  An optimizer's steps are counted the same way: each closure returns how
+  many times its copy applied gradients, and the chief adds that into its
+  `optimizer.iterations`.
 
 On the worker (`KerasWorkerRuntime`): resources are rebuilt as above, and every
 closure runs inside the worker strategy's scope after one pull of the latest
@@ -86,7 +89,7 @@ def _describe_layer(layer, coordinator):
                 f"{layer.name!r}, which lives on the chief only."
             )
         layout.append((entry.keys, entry.placement, tuple(weight.shape), str(weight.dtype)))
-    if not layer.built:
+    if not layer.built and not _builds_no_weights(layer):
         raise InvalidArgumentError(
             f"Build the model before scheduling functions that use it. Received: {layer.name!r} "
             "is not built (call it on a batch, or give its first layer an input shape)."
@@ -108,6 +111,15 @@ def _describe_layer(layer, coordinator):
         "optimizer": optimizer if compile_config else None,
     }
     return "model", spec, None
+
+
+def _builds_no_weights(layer):
+    """True for an unbuilt layer that creates nothing when built (a `StringLookup`, for one).
+
+    Its class keeps `Layer.build` and every sublayer is built, so the worker
+    may build its copy lazily: no weight can be born there, off the servers.
+    """
+    return type(layer).build is keras.layers.Layer.build and all(sub.built for sub in _compat.sublayers(layer))
 
 
 def _describe_variable(variable, coordinator):
@@ -136,7 +148,16 @@ def _describe_optimizer(optimizer, coordinator):
         "config": keras.optimizers.serialize(optimizer),
         "custom_objects": _custom_objects([optimizer]),
     }
-    return "optimizer", spec, None
+    return "optimizer", spec, merge_optimizer_steps
+
+
+def merge_optimizer_steps(optimizer, arrays):
+    """Adds the steps a closure applied (its worker copy's `iterations`) into `optimizer.iterations` on the chief.
+
+    Like a metric's state, it counts only from the run whose result arrives,
+    so `iterations` on the chief is the number of steps applied, each once.
+    """
+    add_state([optimizer.iterations], arrays, what=f"optimizer {optimizer.name!r}")
 
 
 def _describe_metric(metric, coordinator):
@@ -271,7 +292,11 @@ class KerasWorkerRuntime(WorkerRuntime):
 
     def run(self, function, args, kwargs, closure_id, metrics, resources):
         for metric in metrics:
-            metric.reset_state()
+            if isinstance(metric, keras.optimizers.Optimizer):
+                # Its steps are counted on the chief; here it counts one closure's.
+                metric.iterations.assign(0)
+            else:
+                metric.reset_state()
         if self.strategy is None:
             return function(*args, **kwargs)
         store = self.strategy.extended.remote_variables
@@ -281,6 +306,8 @@ class KerasWorkerRuntime(WorkerRuntime):
             return function(*args, **kwargs)
 
     def metric_state(self, metric):
+        if isinstance(metric, keras.optimizers.Optimizer):
+            return [np.asarray(metric.iterations.numpy())]
         return [np.asarray(variable.numpy()) for variable in metric.variables]
 
     def close(self):
@@ -313,12 +340,7 @@ def install():
 
 
 def is_coordinator_mode(strategy):
-    """True when `model.fit` on this process should drive the workers (the chief of a cluster)."""
+    """True when `model.fit` on this process should drive the workers (see `ParameterServerExtended.is_coordinator`)."""
     if not ps_training.is_parameter_server(strategy):
         return False
-    extended = strategy.extended
-    if getattr(extended, "_cluster_coordinator", None) is not None:
-        return True
-    resolver = extended.cluster_resolver
-    spec = resolver.cluster_spec()
-    return resolver.task_type == "chief" and "worker" in spec.jobs and spec.num_tasks("worker") > 0
+    return bool(getattr(strategy.extended, "is_coordinator", False))

@@ -31,6 +31,7 @@ import torch
 
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat, ps_embeddings
+from kdist.keras.ps_optimizer_config import server_optimizer_config
 
 @dataclasses.dataclass
 class FaultInjection:
@@ -52,9 +53,6 @@ _local = threading.local()
 def _current_step():
     """The `_Step` of the step function running in this thread, or None."""
     return getattr(_local, "step", None)
-# Optimizer settings the worker applies itself before pushing (they need the
-# whole gradient, or the worker's loss scale); the servers get them switched off.
-_WORKER_SIDE_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor")
 
 
 def is_parameter_server(strategy):
@@ -205,7 +203,9 @@ class PSSession:
                         "in fit), and its slots must be made with add_variable_from_reference."
                     )
                 slot.assign(value)
-        optimizer.iterations.assign(iterations)
+        # The servers count the steps they applied since they started; a
+        # coordinator counts every closure's steps (restored ones included).
+        optimizer.iterations.assign(max(iterations, int(optimizer.iterations.numpy())))
 
 
 def session_of(model):
@@ -337,33 +337,6 @@ def _read_wrapper(function, session):
     return read_function
 
 
-def server_optimizer_config(optimizer):
-    """`keras.optimizers.serialize(optimizer)` with the worker-side settings switched off.
-
-    Raises:
-        kdist.errors.UnsupportedError: gradient accumulation, EMA or a
-            `LossScaleOptimizer`, which need state the servers do not share.
-    """
-    if getattr(optimizer, "gradient_accumulation_steps", None) or getattr(optimizer, "use_ema", False):
-        raise UnsupportedError(
-            "gradient_accumulation_steps and use_ema are not supported under "
-            "ParameterServerStrategy: the servers apply each push at once and keep no "
-            f"averages. Received: optimizer {optimizer.name!r} with "
-            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps!r}, "
-            f"use_ema={optimizer.use_ema!r}. Remove those settings."
-        )
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise UnsupportedError(
-            "LossScaleOptimizer is not supported under ParameterServerStrategy. Received: "
-            f"optimizer {optimizer.name!r}. Keep variables in float32 and use a plain optimizer."
-        )
-    config = keras.optimizers.serialize(optimizer)
-    for key in _WORKER_SIDE_SETTINGS:
-        if key in config["config"]:
-            config["config"][key] = None
-    return config
-
-
 # ----- fit / evaluate / predict / save ----------------------------------------------
 def scoped_call(method, model, name, args, kwargs):
     """Runs `model.<name>` (already inside the strategy's scope) against the parameter servers."""
@@ -413,6 +386,11 @@ def _scoped_local_call(method, model, session, name, args, kwargs):
         session.read_back()
         return method(model, *args, **kwargs)
     if name == "load_weights":
+        # The chief's optimizer applies nothing itself, so it may be unbuilt;
+        # Keras would then skip its saved state (iterations included).
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
         result = method(model, *args, **kwargs)
         session.store.assign(session.entries())
         return result

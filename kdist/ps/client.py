@@ -1,6 +1,7 @@
 """`VariableClient`: the worker's and coordinator's end of the variable service."""
 
 import json
+import time
 
 import grpc
 import numpy as np
@@ -110,12 +111,13 @@ class VariableClient:
         if wait_for_ready is None and not self._connected:
             wait_for_ready = True
             deadline += self.options.connect_timeout_seconds
+        started = time.monotonic()
         try:
             response = self._calls[name](request, timeout=deadline, metadata=self._metadata,
                                          wait_for_ready=wait_for_ready)
             result = response if read is None else read(response)
         except grpc.RpcError as error:
-            raise client_error(error, self.address, deadline) from None
+            raise client_error(error, self.address, deadline, time.monotonic() - started) from None
         self._connected = True
         return result
 

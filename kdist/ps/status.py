@@ -65,13 +65,14 @@ def status_code(error):
     return grpc.StatusCode.INTERNAL
 
 
-def client_error(rpc_error, address, deadline_seconds):
+def client_error(rpc_error, address, deadline_seconds, elapsed_seconds=None):
     """Returns the kdist error a client raises for a failed call.
 
     Args:
         rpc_error: the `grpc.RpcError` (a `grpc.Call`) the call raised.
         address: the server's address, for the message.
         deadline_seconds: the call's deadline, for the message.
+        elapsed_seconds: how long the call really took, for the message.
 
     Returns:
         `ParameterServerUnavailableError` (retryable) for `UNAVAILABLE` and
@@ -82,7 +83,7 @@ def client_error(rpc_error, address, deadline_seconds):
     detail = rpc_error.details() if hasattr(rpc_error, "details") else str(rpc_error)
     detail = detail or ""
     if code in _UNAVAILABLE_CODES:
-        return ParameterServerUnavailableError(address, deadline_seconds, detail)
+        return ParameterServerUnavailableError(address, deadline_seconds, detail, elapsed_seconds)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return UnauthenticatedError(address, code.name, detail)
     return ParameterServerError(address, code.name, detail)
