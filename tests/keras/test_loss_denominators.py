@@ -280,9 +280,10 @@ def test_float8_scales_and_amax_histories_match_plain_keras(num_replicas):
     ref_state, dist_state = _float8_state(reference), _float8_state(distributed)
     assert [name for name, _ in ref_state] == [name for name, _ in dist_state] and len(ref_state) == 12
     # Float8 rounding amplifies float32 summation-order differences a little
-    # (an element on a rounding edge flips): relative 1e-4, not 1e-5.
+    # (an element on a rounding edge flips): relative 1e-3, not 1e-5; the
+    # negative control is off by 10-20%.
     for (name, ref), (_, dist) in zip(ref_state, dist_state):
-        np.testing.assert_allclose(dist, ref, rtol=1e-4, atol=1e-8, err_msg=name)
+        np.testing.assert_allclose(dist, ref, rtol=1e-3, atol=1e-8, err_msg=name)
     for ref, dist in zip(reference.trainable_variables, distributed.trainable_variables):
         np.testing.assert_allclose(
             keras.ops.convert_to_numpy(dist), keras.ops.convert_to_numpy(ref), rtol=1e-3, atol=5e-4, err_msg=ref.path
