@@ -105,6 +105,12 @@ def measure(path, num_steps, num_rounds):
     num_rows = max(num_steps, WARMUP_STEPS) * GLOBAL_BATCH
     x = rng.standard_normal((num_rows, *IMAGE_SHAPE), dtype=np.float32)
     y = rng.integers(0, NUM_CLASSES, size=num_rows)
+    # A throwaway model first: on this machine the first model's fit stayed
+    # several times slower for the whole run, whichever configuration it was.
+    strategy = kdist.MirroredStrategy(DEVICES)
+    with strategy.scope():
+        throwaway = build_model(False)
+    fit_timer(throwaway, x, y)(WARMUP_STEPS)
     timers = {}
     for name, synchronized in CONFIGS:
         strategy = kdist.MirroredStrategy(DEVICES)
