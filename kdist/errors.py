@@ -97,12 +97,18 @@ class ParameterServerUnavailableError(KdistError, ConnectionError):
         deadline_seconds: how long the call was allowed to take (None when
             another process reported the outage).
         detail: gRPC's description of the failure (for people, not for code).
+        elapsed_seconds: how long this process really tried (None: unknown).
     """
 
     retryable = True
 
-    def __init__(self, address, deadline_seconds, detail=""):
-        within = "" if deadline_seconds is None else f" within {deadline_seconds:g} seconds"
+    def __init__(self, address, deadline_seconds, detail="", elapsed_seconds=None):
+        if elapsed_seconds is not None:
+            within = f" after trying for {elapsed_seconds:.1f} seconds"
+            if deadline_seconds is not None:
+                within += f" (deadline {deadline_seconds:g} seconds)"
+        else:
+            within = "" if deadline_seconds is None else f" within {deadline_seconds:g} seconds"
         message = (
             f"The parameter server at {address} could not be reached{within}. Check that it "
             "is running and that the address is right; the call may be retried."
@@ -113,6 +119,7 @@ class ParameterServerUnavailableError(KdistError, ConnectionError):
         self.address = address
         self.deadline_seconds = deadline_seconds
         self.detail = detail
+        self.elapsed_seconds = elapsed_seconds
 
 
 class ParameterServerError(KdistError, RuntimeError):

@@ -104,11 +104,16 @@ def run_per_replica(strategy, fn, args=(), kwargs=None):
     return regroup(run_replicas(strategy, fn, calls))
 
 
-def run_replicas(strategy, fn, calls):
+def run_replicas(strategy, fn, calls, switch=None):
     """Runs `fn(*args, **kwargs)` for each `(replica_id, args, kwargs)` in `calls`.
 
     The replicas named in `calls` (this process's replica ids, in order) take
     part in each `merge_call`; a merge function sees one component per call.
+    `switch`, when given, has `enter(position)` and `leave(position)`, called
+    in the caller's thread just before the replica at `position` of `calls`
+    resumes and just after it pauses or ends: state that the replicas share
+    but must not see each other's changes of (`.grad` of shared tensors) is
+    swapped there.
 
     Returns:
         The list of `fn`'s results, in the order of `calls`.
@@ -123,9 +128,15 @@ def run_replicas(strategy, fn, calls):
         thread.start()
     try:
         while True:
-            for thread in threads:
+            for position, thread in enumerate(threads):
                 if not thread.done:
-                    thread.resume()
+                    if switch is not None:
+                        switch.enter(position)
+                    try:
+                        thread.resume()
+                    finally:
+                        if switch is not None:
+                            switch.leave(position)
             errors = [thread.error for thread in threads if thread.error is not None]
             if errors:
                 raise errors[0]

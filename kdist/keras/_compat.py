@@ -8,11 +8,15 @@ message naming it instead of breaking training silently.
 import collections
 
 import keras
+import numpy
 from keras.src.backend.common import global_state as _global_state
+from keras.src.backend.common import stateless_scope as _stateless_scope_module
 from keras.src.backend.torch import core as _torch_core_module
 from keras.src.backend.torch import trainer as _torch_trainer_module
+from keras.src.losses import loss as _loss_module
 from keras.src.trainers import trainer as _trainer_module
 from keras.src.trainers.data_adapters import array_data_adapter as _array_adapter_module
+from keras.src.utils import python_utils as _python_utils_module
 
 Trainer = _trainer_module.Trainer
 TorchEpochIterator = _torch_trainer_module.TorchEpochIterator
@@ -52,6 +56,14 @@ PINNED_INTERNALS = {
     "Trainer._symbolic_build": lambda: Trainer._symbolic_build,
     "Trainer._initial_epoch": lambda: keras.Sequential()._initial_epoch,
     "Trainer._flatten_metrics_in_order": lambda: Trainer._flatten_metrics_in_order,
+    "BatchNormalization._moments": lambda: keras.layers.BatchNormalization._moments,
+    "BatchNormalization._reduction_axes": lambda: _probe_batchnorm()._reduction_axes,
+    "keras.src.backend.common.stateless_scope.in_stateless_scope": lambda: _stateless_scope_module.in_stateless_scope,
+    "keras.src.losses.loss.reduce_weighted_values": lambda: _loss_module.reduce_weighted_values,
+    "keras.src.losses.loss.squeeze_or_expand_to_same_rank": lambda: _loss_module.squeeze_or_expand_to_same_rank,
+    "keras.src.losses.loss.standardize_reduction": lambda: _loss_module.standardize_reduction,
+    "Dense.outputs_grad_amax_history (float8)": lambda: _probe_float8_dense().outputs_grad_amax_history,
+    "keras.src.utils.python_utils.pythonify_logs": lambda: _python_utils_module.pythonify_logs,
 }
 
 
@@ -199,3 +211,158 @@ def take_initial_epoch(model, initial_epoch):
 def flatten_metrics_in_order(model, logs):
     """`evaluate`'s non-dict return value: the logs as a list in the model's metric order."""
     return model._flatten_metrics_in_order(logs)
+
+
+# ----- BatchNormalization (kdist.keras.sync_batchnorm) --------------------------------
+def _probe_batchnorm():
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 3))
+    if list(layer._reduction_axes) != [0]:
+        raise AttributeError("BatchNormalization._reduction_axes no longer lists the reduced axes")
+    return layer
+
+
+def batchnorm_reduction_axes(layer):
+    """The axes a built `BatchNormalization` reduces over for its batch statistics."""
+    return layer._reduction_axes
+
+
+def batchnorm_local_moments(layer, inputs, mask):
+    """`(mean, variance)` of `inputs` exactly as Keras' own unsynchronized `BatchNormalization` computes them."""
+    if mask is None:
+        return keras.ops.moments(inputs, axes=layer._reduction_axes, synchronized=False)
+    # Keras' masked branch never reads `layer.synchronized`.
+    return keras.layers.BatchNormalization._moments(layer, inputs, mask)
+
+
+def in_stateless_scope():
+    """True inside a `keras.StatelessScope` (variable writes are recorded there, not made)."""
+    return _stateless_scope_module.in_stateless_scope()
+
+
+def set_batchnorm_moments(layer, moments):
+    """Makes `layer.call` compute its training statistics with `moments(inputs, mask)`.
+
+    Installed on the instance only: every other `BatchNormalization` keeps Keras' code.
+    """
+    object.__setattr__(layer, "_moments", moments)
+
+
+# ----- loss reduction (the divisor of a "sum_over_batch_size" loss) -----------------
+# Every `keras.losses.Loss.__call__` ends in `reduce_weighted_values`, looked up in
+# its module at call time; it folds the mask into the sample weights and divides
+# the weighted sum by the element count (or the weight sum). Wrapped once.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def install_loss_reduction_observer(observer):
+    """Calls `observer(values, sample_weight, mask, reduction, dtype)` at every Keras loss reduction.
+
+    Installed once per process (later calls with the same observer do nothing);
+    the observer itself must return at once when it has nothing to record.
+    """
+    current = _loss_module.reduce_weighted_values
+    if getattr(current, "_kdist_observer", None) is observer:
+        return
+    original = getattr(current, "_kdist_original", current)
+
+    def reduce_weighted_values(
+        values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
+    ):
+        observer(values, sample_weight, mask, reduction, dtype)
+        return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+
+    reduce_weighted_values._kdist_observer = observer
+    reduce_weighted_values._kdist_original = original
+    _loss_module.reduce_weighted_values = reduce_weighted_values
+
+
+def loss_reduction_denominator(values, sample_weight, mask, reduction, dtype):
+    """What a Keras loss reduction divides the weighted sum by, mirroring `reduce_weighted_values`.
+
+    Returns:
+        `(denominator, counts_elements)`: `denominator` is a 0-d float64 tensor
+        (still on its device: no host sync), `counts_elements` says it is the
+        plain element count (no mask, no sample-weight sum), which grows with
+        the batch size. `(None, False)` when the reduction divides by nothing
+        (`"sum"`, `"none"`, a scalar or empty value).
+    """
+    reduction = _loss_module.standardize_reduction(reduction)
+    if reduction not in _MEAN_REDUCTIONS + ("mean_with_sample_weight",):
+        return None, False
+    values = keras.ops.convert_to_tensor(values, dtype=dtype)
+    weights = None
+    if sample_weight is not None:
+        weights = keras.ops.cast(keras.ops.convert_to_tensor(sample_weight, dtype=dtype), values.dtype)
+    if mask is not None and (weights is not None or reduction == "mean_with_sample_weight"):
+        # As `apply_mask` for this reduction: the mask multiplies the weights.
+        mask_weight = keras.ops.cast(mask, values.dtype)
+        if weights is None:
+            weights = mask_weight
+        else:
+            mask_weight, weights = _loss_module.squeeze_or_expand_to_same_rank(mask_weight, weights)
+            weights = weights * mask_weight
+    shape = tuple(values.shape)
+    if weights is not None:
+        values, weights = _loss_module.squeeze_or_expand_to_same_rank(values, weights)
+        shape = tuple(numpy.broadcast_shapes(tuple(values.shape), tuple(weights.shape)))
+    if shape in ((), (0,)):
+        return None, False
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        return keras.ops.cast(keras.ops.sum(weights), "float64"), False
+    if mask is not None and reduction in _MEAN_REDUCTIONS:
+        # `apply_mask` scales valid entries by total/valid: the divisor is the valid count.
+        valid = keras.ops.sum(keras.ops.cast(keras.ops.cast(mask, "bool"), "float64"))
+        total = 1
+        for dim in mask.shape:
+            total *= int(dim)
+        return valid * (count / total), False
+    return keras.ops.convert_to_tensor(float(count), dtype="float64"), True
+
+
+# ----- float8 training state -------------------------------------------------------
+# A float8-quantized layer keeps its scales and amax histories as trainable
+# variables with `overwrite_with_gradient=True`: the "gradient" is the new value.
+def _probe_float8_dense():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 2))
+    layer.quantize("float8")
+    if not layer.outputs_grad_scale.overwrite_with_gradient:
+        raise AttributeError("float8 scales are no longer overwritten with their gradient")
+    return layer
+
+
+def output_gradient_float8_state(model):
+    """`(scale, amax history)` of the output gradients of every float8 layer in the model.
+
+    Unlike the inputs' and the kernel's, they follow the size of the gradient
+    reaching the layer's output, which depends on how the loss was scaled.
+    """
+    pairs = []
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "quantization_mode", None) != "float8":
+            continue
+        scale = getattr(layer, "outputs_grad_scale", None)
+        history = getattr(layer, "outputs_grad_amax_history", None)
+        if scale is not None and history is not None:
+            pairs.append((scale, history))
+    return pairs
+
+
+# ----- logs --------------------------------------------------------------------------
+def flatten_logs(logs):
+    """Nested step logs flattened as Keras' `pythonify_logs` does, values left as they are.
+
+    Keys in sorted order, a nested dict's keys merged in its place (a later
+    key of the same name wins); callbacks and History see Keras' flattening.
+    """
+    flat = {}
+    for key, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            flat.update(flatten_logs(value))
+        else:
+            flat[key] = value
+    return flat

@@ -32,7 +32,7 @@ import torch
 from kdist.distribute import context
 from kdist.distribute.values import PerReplica
 from kdist.errors import ReplicaGradientError
-from kdist.keras import _compat
+from kdist.keras import _compat, loss_denominators
 
 _thread = threading.local()
 _installed = False
@@ -52,10 +52,11 @@ class GradientRecorder:
         self.calls = []
         self._single_call = single_call
 
-    def record(self, optimizer, gradients, variables):
+    def record(self, optimizer, gradients, variables, denominator=None):
+        """Keeps one call: `(optimizer, gradients, variables, loss divisor since the last call)`."""
         if self._single_call and self.calls:
             raise MergeModeNeeded()
-        self.calls.append((optimizer, list(gradients), list(variables)))
+        self.calls.append((optimizer, list(gradients), list(variables), denominator))
 
 
 class MergeModeNeeded(BaseException):
@@ -80,8 +81,9 @@ def recording(recorder):
 def combining(combiner):
     """While active (in this replica's thread), merged `apply` calls go to `combiner`.
 
-    `combiner(optimizer, gradient_lists, variables)` runs once per merged call,
-    in the cross-replica context, with one gradient list per replica.
+    `combiner(optimizer, gradient_lists, variables, denominators)` runs once
+    per merged call, in the cross-replica context, with one gradient list and
+    one loss divisor (`kdist.keras.loss_denominators`) per replica.
     """
     previous = getattr(_thread, "combiner", None)
     _thread.combiner = combiner
@@ -101,7 +103,7 @@ def route(optimizer, gradients, variables):
     """
     recorder = getattr(_thread, "recorder", None)
     if recorder is not None:
-        recorder.record(optimizer, gradients, _variables(optimizer, variables))
+        recorder.record(optimizer, gradients, _variables(optimizer, variables), loss_denominators.take())
         return True
     if not context.has_strategy():
         return False
@@ -110,9 +112,8 @@ def route(optimizer, gradients, variables):
         return False
     combiner = getattr(_thread, "combiner", None)
     if combiner is not None:
-        replica_context.merge_call(
-            _combine_and_apply, args=(combiner, optimizer, list(gradients), _variables(optimizer, variables))
-        )
+        arguments = (combiner, optimizer, list(gradients), _variables(optimizer, variables), loss_denominators.take())
+        replica_context.merge_call(_combine_and_apply, args=arguments)
         return True
     if replica_context.num_replicas_in_sync <= 1 or _faults().unmerged_replica_apply:
         return False
@@ -140,9 +141,14 @@ def per_replica_lists(gradients):
     ]
 
 
-def _combine_and_apply(strategy, combiner, optimizer, gradients, variables):
+def _combine_and_apply(strategy, combiner, optimizer, gradients, variables, denominators):
     del strategy
-    combiner(optimizer, per_replica_lists(gradients), variables)
+    lists = per_replica_lists(gradients)
+    if isinstance(denominators, PerReplica):
+        denominators = list(denominators.values)
+    else:
+        denominators = [denominators] * len(lists)
+    combiner(optimizer, lists, variables, denominators)
 
 
 def _sum_and_apply(strategy, optimizer, gradients, variables):

@@ -74,6 +74,16 @@ def take():
     if records is None:
         return None
     _local.records = []
+    return _summarise(records)
+
+
+def peek():
+    """What `take()` would return now, without resetting (None outside recording)."""
+    records = getattr(_local, "records", None)
+    return None if records is None else _summarise(records)
+
+
+def _summarise(records):
     if not records or any(denominator is None for denominator, _ in records):
         return None
     if all(counts_elements for _, counts_elements in records):

@@ -15,57 +15,109 @@ cost a few tens of microseconds per replica and `apply`, which is why the
 engine's default stays sequential.
 """
 
+import functools
+import math
+
 import torch
 
 from kdist.collectives.local import copy_to_device
-from kdist.distribute import replica_runner
-from kdist.keras import _compat, gradient_merge
+from kdist.distribute import context, replica_runner
+from kdist.keras import _compat, gradient_combine, gradient_merge, loss_denominators, sync_batchnorm
 
 
-def train_batch(engine, state, replicas, weights):
+def train_batch(engine, state, replicas, total):
     """One training step of `engine` in merge mode; returns the merged logs.
 
     Args:
         engine: the `ReplicaEngine`.
         state: its `StateVariables`.
         replicas: this process's `(replica id, shard, size)` that take part.
-        weights: each replica's share of the global batch.
+        total: the global batch size.
     """
-    combiner = _MergedApply(engine, state, replicas, weights)
+    combiner = _MergedApply(engine, state, replicas, total)
     step_fn = engine._model.train_step
 
-    def replica_step(replica_id, shard):
+    def replica_step(replica_id, shard, size):
+        prepare = engine.replica_on_enter(replica_id, state, size / total, training=True)
+
         def on_enter(scope):
             combiner.scopes[replica_id] = scope
+            if prepare is not None:
+                prepare(scope)
 
-        with gradient_merge.combining(combiner):
-            return engine.run_in_scope(replica_id, step_fn, shard, state, training=True, on_enter=on_enter)
+        # Synchronized BatchNormalization weighs this replica's statistics
+        # gradients as the engine will weigh its parameter gradients.
+        sync_batchnorm.annotate_replica(
+            context.get_replica_context(),
+            gradient_weight=functools.partial(_gradient_weight, size),
+            counts_samples=size > 0,
+        )
+        loss_denominators.begin()
+        try:
+            with gradient_merge.combining(combiner):
+                return engine.run_in_scope(replica_id, step_fn, shard, state, training=True, on_enter=on_enter)
+        finally:
+            loss_denominators.end()
 
-    calls = [(replica_id, (replica_id, shard), {}) for replica_id, shard, _ in replicas]
-    results = replica_runner.run_replicas(engine._strategy, replica_step, calls)
+    calls = [(replica_id, (replica_id, shard, size), {}) for replica_id, shard, size in replicas]
+    parameters = [tensor for _, tensor in state.canonical_mapping]
+    results = replica_runner.run_replicas(
+        engine._strategy, replica_step, calls, switch=_SeparateGradients(parameters, len(calls))
+    )
     scopes = [scope for scope, _ in results]
-    engine._check_summed_loss_has_no_penalties(state, scopes)
-    engine._reconcile(state, scopes, weights)
-    return engine._merge_logs([logs for _, logs in results], weights)
+    gradient_combine.check_summed_loss_has_no_penalties(engine, state, scopes)
+    engine._reconcile(state, scopes, combiner.weights)
+    return engine._merge_logs([logs for _, logs in results], combiner.weights)
+
+
+def _gradient_weight(size):
+    """The weight the engine gives this replica's gradients, up to a common factor (read in backward)."""
+    denominator = loss_denominators.peek()
+    if denominator is None:
+        return float(size)
+    value = float(denominator)
+    return float(size) if math.isnan(value) else value
+
+
+class _SeparateGradients:
+    """Gives each replica its own `.grad` on the canonical Parameters that replicas share.
+
+    A replica may pause mid-backward (inside a synchronized BatchNormalization);
+    the next replica's backward must not accumulate into its gradients.
+    """
+
+    def __init__(self, parameters, num_replicas):
+        self._parameters = parameters
+        self._grads = [[None] * len(parameters) for _ in range(num_replicas)]
+
+    def enter(self, position):
+        for parameter, grad in zip(self._parameters, self._grads[position]):
+            parameter.grad = grad
+
+    def leave(self, position):
+        self._grads[position] = [parameter.grad for parameter in self._parameters]
 
 
 class _MergedApply:
     """Combines and applies each merged `apply` call of one step (runs in the cross-replica context)."""
 
-    def __init__(self, engine, state, replicas, weights):
+    def __init__(self, engine, state, replicas, total):
         self._engine = engine
         self._state = state
         self._replicas = replicas
-        self._weights = weights
+        self._total = total
         self._num_calls = 0
         self.scopes = {}
+        # The last call's weights, which the loss tracker follows (sample shares until a call).
+        self.weights = gradient_combine.weights_for_call(engine, replicas, total, [None] * len(replicas))
 
-    def __call__(self, optimizer, gradient_lists, variables):
+    def __call__(self, optimizer, gradient_lists, variables, denominators):
         engine = self._engine
         # Before the first update: a summed loss with penalties is refused unapplied.
-        engine._check_summed_loss_has_no_penalties(self._state, list(self.scopes.values()))
-        gradients, pending = engine.combine_call(
-            self._num_calls, self._replicas, variables, gradient_lists, self._weights
+        gradient_combine.check_summed_loss_has_no_penalties(engine, self._state, list(self.scopes.values()))
+        self.weights = gradient_combine.weights_for_call(engine, self._replicas, self._total, denominators)
+        gradients, pending = gradient_combine.combine_call(
+            engine, self._num_calls, self._replicas, variables, gradient_lists, self.weights
         )
         if pending:
             engine._processes.wait(pending)

@@ -86,6 +86,16 @@ class ProcessSync:
     def wait(self, works):
         self._collectives.wait(works)
 
+    def sum_over_ranks(self, values):
+        """Sums a few Python floats over ranks (one small blocking all-reduce); returns floats."""
+        summed = self._collectives.all_reduce_sum([torch.tensor(values, dtype=torch.float64)], name="loss_denominators")
+        return summed[0].tolist()
+
+    def maximum_over_ranks(self, tensors):
+        """Element-wise maxima over ranks (float8 scales and amax histories; blocking)."""
+        minima = self._collectives.all_reduce_min([-t for t in tensors], name="float8_maximum")
+        return [-t for t in minima]
+
     def ddp_average(self, gradients):
         """Test-only (`FaultInjection.ddp_averaged_gradients`): the unweighted mean over ranks."""
         present = [g for g in gradients if g is not None]

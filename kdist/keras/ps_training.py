@@ -30,7 +30,7 @@ import keras
 import torch
 
 from kdist.errors import UnsupportedError
-from kdist.keras import _compat, ps_embeddings
+from kdist.keras import _compat, gradient_merge, ps_embeddings
 from kdist.keras.ps_optimizer_config import server_optimizer_config
 
 @dataclasses.dataclass
@@ -252,6 +252,9 @@ def _wrap_optimizer(optimizer, session):
     original_add = optimizer.add_variable_from_reference
 
     def apply(grads, trainable_variables=None):
+        # Replicas of one worker record (fit) or merge (strategy.run) first: one combined push.
+        if gradient_merge.route(optimizer, grads, trainable_variables):
+            return None
         session = optimizer._kdist_ps_session
         if trainable_variables is None:
             trainable_variables = _compat.optimizer_trainable_variables(optimizer)

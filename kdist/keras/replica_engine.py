@@ -7,10 +7,12 @@ For each global batch:
 2. run the model's unmodified `train_step`/`test_step`/`predict_step` once per
    replica, inside `keras.device(replica device)`, a `ReplicaContext`, and a
    `keras.StatelessScope` so no replica changes the model's variables;
-3. the model's optimizer `apply` only records each replica's gradients
-   (`GradientRecorder`); afterwards they are combined as the mean weighted by
-   local batch size, `Σ n_k g_k / Σ n_k` (a plain sum for `reduction="sum"`
-   losses), and applied once to the canonical variables;
+3. `optimizer.apply` only records each replica's gradients
+   (`kdist.keras.gradient_merge`); afterwards they are combined
+   (`kdist.keras.gradient_combine`: weighted by each replica's share of the
+   loss's divisor) and applied once to the canonical variables. A step that
+   applies twice or calls `merge_call` runs in merge mode instead
+   (`kdist.keras.merged_step`);
 4. non-trainable state is reconciled (`kdist.keras.state_sync`).
 
 Replicas on the canonical device read the canonical tensors directly (no
@@ -23,16 +25,25 @@ copies) between launching one replica's kernels and the next.
 """
 
 import dataclasses
-import threading
 
 import keras
 import torch
 
-from kdist.collectives.local import copy_to_device, weighted_sum
+from kdist.collectives.local import copy_to_device
 from kdist.distribute import context
 from kdist.distribute.batching import split_batch
-from kdist.errors import ReplicaGradientError, UnsupportedError
-from kdist.keras import _compat, process_sync, state_sync
+from kdist.errors import UnsupportedError
+from kdist.keras import (
+    _compat,
+    float8_sync,
+    gradient_combine,
+    gradient_merge,
+    loss_denominators,
+    merged_step,
+    process_sync,
+    state_sync,
+    sync_batchnorm,
+)
 
 
 @dataclasses.dataclass
@@ -54,6 +65,18 @@ class FaultInjection:
         upstream_metrics_result: in a multi-worker job, keep Keras' own
             `get_metrics_result` (later Keras releases reduce metrics across
             processes there, so they would be reduced twice).
+        sample_count_weights: weight replicas by sample count n_k / N even
+            where their losses divided by other counts (masked entries,
+            ignored labels, sample-weight sums; see `loss_denominators`).
+        float8_mean: combine float8 scales and amax histories like ordinary
+            gradients (a weighted mean) instead of by maximum.
+        unflattened_logs: merge nested step logs without flattening them
+            (History then shows replica 0's values for the nested metrics).
+        unmerged_replica_apply: let `optimizer.apply` called by the replicas
+            of `strategy.run` update the variables once per replica, one after
+            another, instead of summing the gradients and applying once.
+        no_merge_mode: keep recording a `train_step` that applies twice, so
+            its second gradients are computed before the first update lands.
     """
 
     unweighted_gradient_mean: bool = False
@@ -62,42 +85,14 @@ class FaultInjection:
     unshared_random_state: bool = False
     ddp_averaged_gradients: bool = False
     upstream_metrics_result: bool = False
+    sample_count_weights: bool = False
+    float8_mean: bool = False
+    unflattened_logs: bool = False
+    unmerged_replica_apply: bool = False
+    no_merge_mode: bool = False
 
 
 _TESTING_FAULTS = FaultInjection()
-_recording = threading.local()
-
-
-class GradientRecorder:
-    """Collects the `optimizer.apply` calls one replica makes during its step."""
-
-    def __init__(self):
-        self.calls = []
-
-    def record(self, optimizer, gradients, variables):
-        self.calls.append((optimizer, list(gradients), list(variables)))
-
-
-def wrap_optimizer(optimizer):
-    """Makes `optimizer.apply` record gradients while a replica step is running.
-
-    Outside replica steps the wrapper calls the real `apply`. Idempotent.
-    """
-    if optimizer is None or getattr(optimizer, "_kdist_original_apply", None) is not None:
-        return
-    original_apply = optimizer.apply
-
-    def apply(grads, trainable_variables=None):
-        recorder = getattr(_recording, "recorder", None)
-        if recorder is None:
-            return original_apply(grads, trainable_variables)
-        if trainable_variables is None:
-            trainable_variables = optimizer._trainable_variables
-        recorder.record(optimizer, grads, trainable_variables)
-        return None
-
-    object.__setattr__(optimizer, "_kdist_original_apply", original_apply)
-    object.__setattr__(optimizer, "apply", apply)
 
 
 class ReplicaEngine:
@@ -117,6 +112,10 @@ class ReplicaEngine:
         self._needs_broadcast = True
         # The engine is rebuilt by every compile(), so the compiled loss is fixed here.
         self._summed_loss = _all_losses_summed(model)
+        # Merge mode runs each replica in its own thread and stops them all at
+        # every `optimizer.apply` or merge: from the start for synchronized
+        # BatchNormalization, else from the first step that applies twice.
+        self._merge_mode = sync_batchnorm.needs_merge_mode(model)
 
     # ----- Keras step-function entry points (receive a list of batches) -----
     def train_function(self, data):
@@ -141,46 +140,56 @@ class ReplicaEngine:
 
     # ----- steps -----------------------------------------------------------
     def _train_batch(self, batch):
-        model = self._model
         state = self._state_variables()
         replicas, total = self._active_shards(batch)
-        results = []
-        for replica_id, shard, _ in replicas:
-            recorder = GradientRecorder()
-            _recording.recorder = recorder
+        if not self._merge_mode:
             try:
-                scope, logs = self._run_replica(replica_id, model.train_step, shard, state, training=True)
-            finally:
-                _recording.recorder = None
-            results.append((scope, logs, recorder))
-        self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
-        weights = self._weights(replicas, total)
-        updates, pending = self._combine_gradients(replicas, [r[2] for r in results], weights)
+                return self._train_batch_recorded(state, replicas, total)
+            except gradient_merge.MergeModeNeeded:
+                # Nothing was applied or assigned yet (every change lives in the
+                # replicas' scopes), so the batch can run again in merge mode.
+                self._merge_mode = True
+        return merged_step.train_batch(self, state, replicas, total)
+
+    def _train_batch_recorded(self, state, replicas, total):
+        """Runs the replicas one after another, recording their one `apply` each, then applies once."""
+        model = self._model
+        scopes, replica_logs, recorders = [], [], []
+        for replica_id, shard, size in replicas:
+            recorder = gradient_merge.GradientRecorder(single_call=not _TESTING_FAULTS.no_merge_mode)
+            with gradient_merge.recording(recorder):
+                scope, logs, _ = self._run_replica(replica_id, model.train_step, shard, state, True, size / total)
+            scopes.append(scope)
+            replica_logs.append(logs)
+            recorders.append(recorder)
+        gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
+        updates, pending, weights = gradient_combine.combine_recorded(self, replicas, total, recorders)
         # In a multi-worker job the gradient and state all-reduces run together;
         # this waits for both before anything is assigned.
-        self._reconcile(state, [r[0] for r in results], weights, pending)
-        for optimizer, variables, gradients in updates:
-            with torch.no_grad():
-                optimizer._kdist_original_apply(gradients, variables)
-        return self._merge_logs([r[1] for r in results], weights)
+        self._reconcile(state, scopes, weights, pending)
+        with torch.no_grad():
+            for optimizer, variables, gradients in updates:
+                optimizer.apply(gradients, variables)
+        return self._merge_logs(replica_logs, weights)
 
     def _test_batch(self, batch):
         state = self._state_variables()
         replicas, total = self._active_shards(batch)
         results = [
-            self._run_replica(replica_id, self._model.test_step, shard, state, training=False)
-            for replica_id, shard, _ in replicas
+            self._run_replica(replica_id, self._model.test_step, shard, state, False, size / total)
+            for replica_id, shard, size in replicas
         ]
-        self._check_summed_loss_has_no_penalties(state, [r[0] for r in results])
-        weights = self._weights(replicas, total)
-        self._reconcile(state, [r[0] for r in results], weights)
-        return self._merge_logs([r[1] for r in results], weights)
+        scopes = [scope for scope, _, _ in results]
+        gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
+        weights = gradient_combine.weights_for_call(self, replicas, total, [d for _, _, d in results])
+        self._reconcile(state, scopes, weights)
+        return self._merge_logs([logs for _, logs, _ in results], weights)
 
     def _predict_batch(self, batch):
         state = self._state_variables()
         replicas, _ = self._active_shards(batch)
         outputs = [
-            self._run_replica(replica_id, self._model.predict_step, shard, state, training=False)[1]
+            self._run_replica(replica_id, self._model.predict_step, shard, state, False)[1]
             for replica_id, shard, _ in replicas
         ]
         if len(outputs) == 1:
@@ -205,6 +214,8 @@ class ReplicaEngine:
         """
         self._state = None
         self._needs_broadcast = True
+        # `sync_batchnorm.convert(model)` may have run since compile.
+        self._merge_mode = self._merge_mode or sync_batchnorm.needs_merge_mode(self._model)
 
     def _state_variables(self):
         if self._state is None or not self._state.complete:
@@ -227,8 +238,10 @@ class ReplicaEngine:
         active = [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]
         return active, sum(n for _, _, n in active)
 
-    def _weights(self, replicas, total):
-        return [n / total for _, _, n in replicas]
+    @property
+    def faults(self):
+        """The negative-control switches in force (`FaultInjection`)."""
+        return _TESTING_FAULTS
 
     def _reconcile(self, state, scopes, weights, pending=()):
         if self._processes is None:
@@ -265,110 +278,67 @@ class ReplicaEngine:
             )
         return mapping
 
-    def _run_replica(self, replica_id, step_fn, shard, state, training):
+    def _run_replica(self, replica_id, step_fn, shard, state, training, share=None):
+        """Runs one replica's step in this thread (sequential mode).
+
+        Returns:
+            `(scope, logs, denominator)`: the divisor of the losses computed
+            after the step's last `apply` (all of them in `test_step`).
+        """
+        # A training step that needs its replicas to meet runs again in merge mode.
+        merge_handler = _request_merge_mode if training else context.sequential_merge_handler
+        replica_context = context.ReplicaContext(self._strategy, replica_id, merge_handler=merge_handler)
+        context.push(self._strategy, replica_context)
+        loss_denominators.begin()
+        try:
+            with self._strategy.extended.replica_device_scope(replica_id):
+                scope, logs = self.run_in_scope(
+                    replica_id, step_fn, shard, state, training, self.replica_on_enter(replica_id, state, share, training)
+                )
+            return scope, logs, loss_denominators.take()
+        finally:
+            loss_denominators.end()
+            context.pop(self._strategy)
+
+    def replica_on_enter(self, replica_id, state, share, training):
+        """What runs as a replica's scope opens: float8 output-gradient scales for its share (None: nothing)."""
+        if not training or not state.float8.output_gradient_variables or _TESTING_FAULTS.float8_mean:
+            return None
+        device = self._devices[replica_id].torch_device
+
+        def on_enter(scope):
+            float8_sync.prescale(scope, state.float8, share, device)
+
+        return on_enter
+
+    def run_in_scope(self, replica_id, step_fn, shard, state, training, on_enter=None):
+        """Runs `step_fn(shard)` inside the replica's `StatelessScope`: `(scope, logs)`.
+
+        The caller has entered the replica's context and device scope.
+        `on_enter(scope)` is told the scope before the step starts.
+        """
         model = self._model
         mapping = self._state_mapping(replica_id, state, training)
         collect_losses = not _TESTING_FAULTS.drop_replica_losses
-        replica_context = context.ReplicaContext(
-            self._strategy, replica_id, merge_handler=context.sequential_merge_handler
-        )
-        context.push(self._strategy, replica_context)
-        try:
-            with self._strategy.extended.replica_device_scope(replica_id):
-                with keras.StatelessScope(mapping, collect_losses=collect_losses) as scope:
-                    if training:
-                        # A train_step that forgets zero_grad must not mix this
-                        # replica's gradients into the previous replica's.
-                        model.zero_grad(set_to_none=True)
-                    logs = step_fn(shard)
-        finally:
-            context.pop(self._strategy)
+        with keras.StatelessScope(mapping, collect_losses=collect_losses) as scope:
+            if on_enter is not None:
+                on_enter(scope)
+            if training:
+                # A train_step that forgets zero_grad must not mix this
+                # replica's gradients into the previous replica's.
+                model.zero_grad(set_to_none=True)
+            logs = step_fn(shard)
         return scope, logs
-
-    def _check_summed_loss_has_no_penalties(self, state, scopes):
-        """Refuses `reduction="sum"` losses combined with per-model penalties, before any update.
-
-        Every replica adds the whole penalty (weight regularizers, `add_loss`) to
-        its loss. With per-sample-mean losses the weighted gradient mean counts it
-        once; with summed losses the gradients are added, so it would count once
-        per replica.
-        """
-        if not self._summed_loss:
-            return
-        if state.has_weight_regularizers or any(scope.losses for scope in scopes):
-            raise UnsupportedError(
-                "A loss with reduction='sum' cannot be combined with weight regularizers "
-                "or add_loss() penalties under MirroredStrategy with several replicas: "
-                "each replica adds the whole penalty, so summing the replicas' gradients "
-                "would count it once per replica. Received: loss reduction 'sum' and "
-                "model penalties. Use reduction='sum_over_batch_size' (the default), or "
-                "scale the penalty into the summed loss yourself."
-            )
-
-    def _combine_gradients(self, replicas, recorders, weights):
-        """Combines the replicas' gradients for each `optimizer.apply` call.
-
-        Returns:
-            `(updates, pending)`: `updates` lists `(optimizer, variables,
-            gradients)` to apply; `pending` the all-reduces still running in a
-            multi-worker job (their results land in those gradients).
-        """
-        calls_per_replica = [recorder.calls for recorder in recorders]
-        num_calls = len(calls_per_replica[0])
-        for replica_position, calls in enumerate(calls_per_replica):
-            if len(calls) != num_calls:
-                raise ReplicaGradientError(
-                    f"Replica {replicas[replica_position][0]} called optimizer.apply "
-                    f"{len(calls)} time(s) but replica {replicas[0][0]} called it "
-                    f"{num_calls} time(s). train_step must apply gradients the same "
-                    "number of times on every replica."
-                )
-        if _TESTING_FAULTS.unweighted_gradient_mean:
-            num_global = self._strategy.num_replicas_in_sync
-            weights = [1.0 / num_global if w > 0 else 0.0 for w in weights]
-        if self._summed_loss:
-            weights = [1.0 if w > 0 else 0.0 for w in weights]
-        device = self._devices[0].torch_device
-        updates, pending = [], []
-        for call_index in range(num_calls):
-            optimizer, _, variables = calls_per_replica[0][call_index]
-            gradient_lists = [calls[call_index][1] for calls in calls_per_replica]
-            if _TESTING_FAULTS.drop_replica_gradients:
-                gradient_lists = gradient_lists[:1] + [[None] * len(g) for g in gradient_lists[1:]]
-            if _TESTING_FAULTS.ddp_averaged_gradients and self._processes is not None:
-                gradient_lists = [self._processes.ddp_average(grads) for grads in gradient_lists]
-            self._check_gradients(replicas, variables, gradient_lists)
-            present = [i for i, grad in enumerate(gradient_lists[0]) if grad is not None]
-            lists = [[grads[i] for i in present] for grads in gradient_lists]
-            if self._processes is None:
-                combined = weighted_sum(lists, weights, device)
-            else:
-                # Written straight into the communication buckets: no extra copy.
-                buffers = self._processes.buffers(lists[0], key=("gradients", call_index))
-                combined = buffers.fill_weighted(lists, weights)
-                pending.extend(self._processes.start(buffers, name="gradients"))
-            full = [None] * len(variables)
-            for position, grad in zip(present, combined):
-                full[position] = grad
-            updates.append((optimizer, variables, full))
-        return updates, pending
-
-    def _check_gradients(self, replicas, variables, gradient_lists):
-        for position, grads in enumerate(gradient_lists[1:], start=1):
-            for variable, reference, grad in zip(variables, gradient_lists[0], grads):
-                if reference is not None and grad is None:
-                    raise ReplicaGradientError(
-                        f"Replica {replicas[position][0]} produced no gradient for "
-                        f"variable '{variable.path}' but replica {replicas[0][0]} did; the "
-                        "step would silently train on fewer replicas. Usual cause: a "
-                        "tensor copied off the replica device (check device strings) or "
-                        "a train_step whose control flow depends on the replica."
-                    )
 
     def _merge_logs(self, replica_logs, weights):
         first = replica_logs[0]
         if not isinstance(first, dict) or (len(replica_logs) == 1 and self._processes is None):
             return first
+        if not _TESTING_FAULTS.unflattened_logs and any(isinstance(value, dict) for value in first.values()):
+            # Nested logs ({"compile_metrics": {...}}) merge key by key, flattened
+            # as Keras flattens them before callbacks and History see them.
+            replica_logs = [_compat.flatten_logs(logs) for logs in replica_logs]
+            first = replica_logs[0]
         canonical = self._model.get_metrics_result()
         merged = {}
         for key, value in first.items():
@@ -379,6 +349,13 @@ class ReplicaEngine:
         if self._processes is not None:
             merged = self._processes.merge_extra_logs(merged, canonical)
         return merged
+
+
+def _request_merge_mode(merge_fn, args, kwargs):
+    del merge_fn, args, kwargs
+    if _TESTING_FAULTS.no_merge_mode:
+        return context.sequential_merge_handler(None, (), {})
+    raise gradient_merge.MergeModeNeeded()
 
 
 def _all_losses_summed(model):

@@ -56,7 +56,10 @@ def test_bad_devices_raise(devices, pattern):
         kdist.MirroredStrategy(devices)
 
 
-def test_merge_call_inside_fit_train_step_is_refused_clearly():
+def test_merge_call_inside_evaluate_test_step_is_refused_clearly():
+    """Inside train_step a merge runs the step in merge mode (tests/keras/test_gradient_merge.py);
+    evaluate's replicas still run one after another, so a merge there is refused."""
+
     class Chatty(keras.Model):
         def __init__(self):
             super().__init__()
@@ -65,7 +68,7 @@ def test_merge_call_inside_fit_train_step_is_refused_clearly():
         def call(self, x):
             return self.dense(x)
 
-        def train_step(self, data):
+        def test_step(self, data):
             kdist.get_replica_context().all_reduce("sum", 1.0)
             return {}
 
@@ -75,5 +78,5 @@ def test_merge_call_inside_fit_train_step_is_refused_clearly():
         model.compile(optimizer="sgd", loss="mse")
     x, y = m.regression_data(32)
     with pytest.raises(UnsupportedError, match="strategy.run"):
-        model.fit(x, y, batch_size=16, verbose=0)
+        model.evaluate(x, y, batch_size=16, verbose=0)
 
