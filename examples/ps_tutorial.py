@@ -35,12 +35,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from kdist.launch.ports import free_port as pick_unused_port  # noqa: E402  kdist: portpicker.pick_unused_port
 
-try:  # tf.nn.compute_average_loss
-    from kdist.nn import compute_average_loss  # noqa: E402
-except ImportError:  # kdist: until kdist.nn lands; one replica per worker here, so it is the mean
-    def compute_average_loss(per_example_loss):
-        return keras.ops.mean(per_example_loss)
-
 PREEMPTED = 3
 
 
@@ -226,7 +220,7 @@ def train_with_custom_loop(strategy, num_ps, working_dir, preempt_after_epoch):
             pred = model(batch_data, training=True)
             per_example_loss = keras.losses.BinaryCrossentropy(
                 reduction=None)(labels, pred)
-            loss = compute_average_loss(per_example_loss)
+            loss = kdist.nn.compute_average_loss(per_example_loss)
             model.zero_grad()
             loss.backward()
             gradients = [variable.value.grad for variable in model.trainable_variables]
