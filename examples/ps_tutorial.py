@@ -159,12 +159,36 @@ def feature_and_label_gen(num_examples=200):
     return examples
 
 
+class DictLookup:
+    """`StringLookup`'s mapping (out-of-vocabulary entries first) without TensorFlow."""
+
+    def __init__(self, vocabulary, num_oov_indices=1, mask_token=None):
+        del mask_token
+        self._vocabulary = ["[UNK]"] * num_oov_indices + list(vocabulary)
+        self._index = {token: i for i, token in enumerate(self._vocabulary) if i >= num_oov_indices}
+
+    def get_vocabulary(self):
+        return list(self._vocabulary)
+
+    def __call__(self, strings):
+        strings = np.asarray(strings)
+        ids = (self._index.get(token, 0) for token in strings.ravel())
+        return np.fromiter(ids, dtype=np.int64, count=strings.size).reshape(strings.shape)
+
+
+def string_lookup(**kwargs):
+    try:
+        return keras.layers.StringLookup(**kwargs)
+    except ImportError:  # kdist: Keras' StringLookup needs TensorFlow installed, on every backend
+        return DictLookup(**kwargs)
+
+
 def train_with_custom_loop(strategy, num_ps, working_dir, preempt_after_epoch):
     with strategy.scope():
-        feature_lookup_layer = keras.layers.StringLookup(
+        feature_lookup_layer = string_lookup(  # kdist: keras.layers.StringLookup
             vocabulary=feature_vocab,
             mask_token=None)
-        label_lookup_layer = keras.layers.StringLookup(
+        label_lookup_layer = string_lookup(  # kdist: keras.layers.StringLookup
             vocabulary=label_vocab,
             num_oov_indices=0,
             mask_token=None)
