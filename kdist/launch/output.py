@@ -1,12 +1,21 @@
-"""Children's output: kept line by line in memory and echoed with a name prefix.
+"""Children's output: kept line by line in memory and echoed live with a name prefix.
 
 A `ProcessSet` gives every child two pipes (stdout, stderr). One `pump` thread per
-pipe reads it line by line, appends each line to the child's `OutputLog` and writes
-`"[worker-0] " + line` to the parent's matching stream through a `PrefixedSink`,
-which keeps lines from different children whole.
+pipe reads whatever the child wrote as soon as it arrives, writes it to the
+parent's matching stream through a `PrefixedSink` and appends each complete line
+to the child's `OutputLog` (and log file).
+
+The sink starts every line, and every carriage-return segment, with the child's
+prefix: a child writing `"a\rb\rc\n"` shows as `"[chief-0] a\r[chief-0] b\r[chief-0] c\n"`,
+so progress bars (tqdm, Keras' `Progbar`) stay live and keep their prefix. Text
+is forwarded without waiting for a newline; when another child writes while a
+line is unfinished, the sink ends that line first and the unfinished one goes on
+under a fresh prefix, so lines of different children never share a row.
 """
 
+import codecs
 import collections
+import re
 import sys
 import threading
 import time
@@ -86,11 +95,29 @@ class OutputLog:
                 )
 
 
-class PrefixedSink:
-    """Writes whole lines with a prefix to the parent's stdout or stderr.
+# What one `pump` read asks for: more than a pipe holds (64 KiB on Linux), so a
+# read takes everything written so far.
+READ_BYTES = 1 << 17
 
-    Thread-safe: one lock per sink keeps lines of different children from
-    interleaving. With `stream=None` the target is looked up at every write
+# Where a writer's current line stands on the sink's target.
+_FRESH = "fresh"  # Nothing of it written yet (start, or after "\n").
+_RETURNED = "returned"  # Content written, then "\r": the next content overwrites it.
+_INLINE = "inline"  # Content written since the prefix.
+
+# A token is a newline, a carriage return, a backspace (Keras' Progbar writes
+# backspaces before its "\r") or a run of anything else.
+_TOKENS = re.compile(r"\n|\r|\x08|[^\n\r\x08]+")
+
+
+class PrefixedSink:
+    """Writes children's text with a prefix per line to the parent's stdout or stderr.
+
+    Thread-safe: one lock per sink. Each `write` goes out in one piece; text may
+    arrive in any fragments (partial lines, carriage-return segments). The prefix
+    is written before the first visible character of every line and after every
+    `"\r"`. When a writer's line is unfinished and another writer's text comes,
+    the sink writes `"\n"` first and the interrupted writer's next text starts
+    under a new prefix. With `stream=None` the target is looked up at every write
     (`sys.stdout` / `sys.stderr`), so output captured by pytest lands in the
     capture that is active at that moment.
 
@@ -105,42 +132,112 @@ class PrefixedSink:
         self._stream = stream
         self._enabled = enabled
         self._lock = threading.Lock()
+        self._states = {}  # prefix -> _FRESH / _RETURNED / _INLINE
+        self._open = None  # The prefix whose line is unfinished on the target.
 
-    def write(self, prefix, line):
-        """Writes `prefix + line`; a closed or broken target is ignored."""
+    def write(self, prefix, text):
+        """Writes `text` with `prefix` on each line; a closed or broken target is ignored."""
+        if not self._enabled or not text:
+            return
+        with self._lock:
+            pieces = []
+            if self._open not in (None, prefix):
+                pieces.append("\n")
+                self._states[self._open] = _FRESH
+            state = self._states.get(prefix, _FRESH)
+            for match in _TOKENS.finditer(text):
+                token = match.group()
+                if token == "\n":
+                    if state == _FRESH:
+                        pieces.append(prefix)  # An empty line still names its writer.
+                    state = _FRESH
+                elif token == "\r":
+                    state = _FRESH if state == _FRESH else _RETURNED
+                elif token != "\x08" and state != _INLINE:
+                    pieces.append(prefix)
+                    state = _INLINE
+                pieces.append(token)
+            self._states[prefix] = state
+            self._open = None if state == _FRESH else prefix
+            self._emit("".join(pieces))
+
+    def end(self, prefix):
+        """Ends the writer's unfinished line, if any (its pipe reached end of file)."""
         if not self._enabled:
             return
         with self._lock:
-            target = self._stream if self._stream is not None else getattr(sys, self._stream_name)
-            try:
-                target.write(prefix + line)
-                target.flush()
-            except (OSError, ValueError, AttributeError):
-                # The parent's stream went away (pytest tore down its capture,
-                # a closed pipe); the line is still in the child's OutputLog.
-                pass
+            self._states.pop(prefix, None)
+            if self._open == prefix:
+                self._open = None
+                self._emit("\n")
+
+    def _emit(self, text):
+        target = self._stream if self._stream is not None else getattr(sys, self._stream_name)
+        try:
+            target.write(text)
+            target.flush()
+        except (OSError, ValueError, AttributeError):
+            # The parent's stream went away (pytest tore down its capture,
+            # a closed pipe); the text is still in the child's OutputLog.
+            pass
+
+
+class _LineSplitter:
+    """Cuts text arriving in fragments into whole lines (each ending with "\n")."""
+
+    def __init__(self):
+        self._pending = []
+
+    def feed(self, text):
+        """Returns the lines that `text` completes."""
+        if "\n" not in text:
+            if text:
+                self._pending.append(text)
+            return []
+        *lines, rest = text.split("\n")
+        lines[0] = "".join(self._pending) + lines[0]
+        self._pending = [rest] if rest else []
+        return [line + "\n" for line in lines]
+
+    def rest(self):
+        """The unfinished last line with a "\n" added, or "" if there is none."""
+        rest, self._pending = "".join(self._pending), []
+        return rest + "\n" if rest else ""
 
 
 def pump(pipe, stream, log, sink, prefix, log_file=None, log_file_lock=None):
-    """Copies `pipe` line by line into `log`, `sink` and optionally `log_file`.
+    """Copies `pipe` into `sink` as it arrives and, line by line, into `log` and `log_file`.
 
     Runs in its own thread until end of file; closes `pipe`. A child that never
     ends keeps this thread blocked, which is why pump threads are daemons and the
-    owner joins them with a deadline.
+    owner joins them with a deadline. A last line without a newline gets one.
     """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    splitter = _LineSplitter()
+
+    def record(lines):
+        for line in lines:
+            log.append(stream, line)
+            if log_file is not None:
+                with log_file_lock:
+                    log_file.write(line)
+                    log_file.flush()
+
+    def forward(text):
+        sink.write(prefix, text)
+        record(splitter.feed(text))
+
+    # read1 returns what the pipe holds as soon as it holds anything; a raw
+    # (unbuffered) pipe's read does the same.
+    read = pipe.read1 if hasattr(pipe, "read1") else pipe.read
     try:
         with pipe:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                log.append(stream, line)
-                sink.write(prefix, line)
-                if log_file is not None:
-                    with log_file_lock:
-                        log_file.write(line)
-                        log_file.flush()
+            for chunk in iter(lambda: read(READ_BYTES), b""):
+                forward(decoder.decode(chunk))
+            forward(decoder.decode(b"", final=True))
     except (OSError, ValueError):
         pass  # The pipe was closed under us while the owner shut down.
     finally:
+        record([line for line in (splitter.rest(),) if line])
+        sink.end(prefix)
         log.close_stream()
