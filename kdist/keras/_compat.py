@@ -20,12 +20,17 @@ from keras.src.utils import python_utils as _python_utils_module
 
 Trainer = _trainer_module.Trainer
 TorchEpochIterator = _torch_trainer_module.TorchEpochIterator
+# Defines the torch backend's own fit/evaluate/predict (over Trainer's).
+TorchTrainer = _torch_trainer_module.TorchTrainer
 TorchVariable = _torch_core_module.Variable
 
 # Keras releases up to 3.15 reject `steps_per_execution > 1` in the torch
 # trainer; later releases loop over the list of batches a step receives.
 _KERAS_VERSION = tuple(int(part) for part in keras.version().split(".")[:2] if part.isdigit())
 TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION = _KERAS_VERSION <= (3, 15)
+# Keras 3.16 wraps a torch model in DistributedDataParallel inside its
+# make_*_function whenever torch.distributed is initialized.
+TORCH_TRAINER_WRAPS_DDP = hasattr(_torch_trainer_module.TorchTrainer, "_initialize_ddp")
 
 PINNED_INTERNALS = {
     "keras.src.trainers.trainer.Trainer": lambda: _trainer_module.Trainer,
@@ -56,6 +61,15 @@ PINNED_INTERNALS = {
     "Trainer._symbolic_build": lambda: Trainer._symbolic_build,
     "Trainer._initial_epoch": lambda: keras.Sequential()._initial_epoch,
     "Trainer._flatten_metrics_in_order": lambda: Trainer._flatten_metrics_in_order,
+    "keras.src.backend.torch.trainer.TorchTrainer.fit": lambda: TorchTrainer.fit,
+    "ArrayDataAdapter._epoch (Keras >= 3.16)": lambda: (
+        _array_adapter_module.ArrayDataAdapter(__import__("numpy").zeros((2, 1)), batch_size=1)._epoch
+        if _KERAS_VERSION >= (3, 16)
+        else True
+    ),
+    "TorchTrainer._initialize_ddp (Keras >= 3.16)": lambda: (
+        _torch_trainer_module.TorchTrainer._initialize_ddp if _KERAS_VERSION >= (3, 16) else True
+    ),
     "BatchNormalization._moments": lambda: keras.layers.BatchNormalization._moments,
     "BatchNormalization._reduction_axes": lambda: _probe_batchnorm()._reduction_axes,
     "keras.src.backend.common.stateless_scope.in_stateless_scope": lambda: _stateless_scope_module.in_stateless_scope,
@@ -132,6 +146,13 @@ def set_epoch_iterator_num_batches(epoch_iterator, num_batches):
     epoch_iterator._num_batches = num_batches
 
 
+def advance_shuffle_epoch(epoch_iterator, epochs):
+    """Moves an array adapter's shuffle seed on by `epochs` (Keras >= 3.16 seeds by its epoch count)."""
+    adapter = epoch_iterator.data_adapter
+    if isinstance(adapter, _array_adapter_module.ArrayDataAdapter) and hasattr(adapter, "_epoch"):
+        adapter._epoch += epochs
+
+
 def is_array_adapter(epoch_iterator):
     """True when the iterator slices in-memory arrays (same length on every rank)."""
     return isinstance(epoch_iterator.data_adapter, _array_adapter_module.ArrayDataAdapter)
@@ -179,6 +200,16 @@ def seed_generator_states(model):
 def loss_tracker(model):
     """The `Mean` metric that `train_step`/`test_step` feed the batch loss into (None before compile)."""
     return getattr(model, "_loss_tracker", None)
+
+
+def keep_out_of_upstream_ddp(model):
+    """Makes Keras' own `DistributedDataParallel` wrap a no-op for `model` (Keras >= 3.16).
+
+    kdist combines gradients itself; a DDP wrap would all-reduce them a second
+    time during backward (and wrap a one-process job's model for nothing).
+    """
+    if TORCH_TRAINER_WRAPS_DDP:
+        object.__setattr__(model, "_initialize_ddp", lambda: None)
 
 
 def local_metrics_result(model):

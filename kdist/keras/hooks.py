@@ -21,7 +21,16 @@ import warnings
 
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, coordinator_runtime, gradient_merge, multi_worker, ps_training, replica_engine, sync_batchnorm
+from kdist.keras import (
+    _compat,
+    coordinator_runtime,
+    gradient_merge,
+    multi_worker,
+    ps_training,
+    replica_engine,
+    resume_shuffle,
+    sync_batchnorm,
+)
 from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution
 
 _SCOPED_METHODS = (
@@ -73,7 +82,8 @@ def install():
 
     @functools.wraps(original_get_iterator)
     def _get_iterator(self):
-        # A no-op unless a multi-worker fit/evaluate/predict runs in this thread.
+        # No-ops unless a kdist model's fit (or a multi-worker call) runs in this thread.
+        resume_shuffle.align(self)
         return multi_worker.synchronised_iterable(self, original_get_iterator(self))
 
     original_initialize = _compat.TorchVariable._initialize
@@ -87,12 +97,37 @@ def install():
 
     trainer.__init__ = __init__
     trainer.compile = compile
+    for name in ("fit", "evaluate", "predict"):
+        setattr(_compat.TorchTrainer, name, _refusing_unattached(getattr(_compat.TorchTrainer, name)))
     _compat.TorchVariable._initialize = _initialize
     _compat.TorchEpochIterator._get_iterator = _get_iterator
     _installed = True
 
 
 strategy_of = context.strategy_of
+
+
+def _refusing_unattached(method):
+    """`Trainer.fit`/`evaluate`/`predict`, refused for a model no strategy owns inside a strategy's scope.
+
+    As tf.distribute refuses variables created outside the scope: such a model
+    would silently run on one device.
+    """
+
+    @functools.wraps(method)
+    def refusing(self, *args, **kwargs):
+        if context.has_strategy() and strategy_of(self) is None:
+            strategy = context.get_strategy()
+            raise StrategyScopeError(
+                f"model.{method.__name__}() was called inside the scope of {strategy!r}, but "
+                f"model '{self.name}' was created and compiled outside every strategy's scope, "
+                "so it would run on one device. Received: a model no strategy owns. Create "
+                "(or load) and compile the model inside `with strategy.scope():`, or call "
+                f"{method.__name__}() outside the scope to train it without the strategy."
+            )
+        return method(self, *args, **kwargs)
+
+    return refusing
 
 
 def _owning_strategy(model):
@@ -118,6 +153,9 @@ def attach(model, strategy):
         # Before the replica engine's wrapper, which then records around this one.
         ps_training.connect_optimizer(model, strategy)
     gradient_merge.wrap(getattr(model, "optimizer", None))
+    if not replica_engine._TESTING_FAULTS.upstream_ddp_wrap:
+        # kdist decides how gradients are combined, on every role and strategy.
+        _compat.keep_out_of_upstream_ddp(model)
     if multi_worker.collectives_of(strategy) is not None and not replica_engine._TESTING_FAULTS.upstream_metrics_result:
         # Metrics are already combined across processes by kdist (see _compat).
         _override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
@@ -147,6 +185,12 @@ def _scoped(model, name):
                 f"model.{name}() was called inside the scope of {context.get_strategy()!r}, "
                 f"but model '{self.name}' belongs to {strategy!r}."
             )
+        if name != "fit":
+            return call(self, strategy, args, kwargs)
+        with resume_shuffle.fit_call(self):
+            return call(self, strategy, args, kwargs)
+
+    def call(self, strategy, args, kwargs):
         collectives = multi_worker.collectives_of(strategy)
         with strategy.scope():
             if ps_training.is_parameter_server(strategy):

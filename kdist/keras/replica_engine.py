@@ -72,6 +72,8 @@ class FaultInjection:
             gradients (a weighted mean) instead of by maximum.
         unflattened_logs: merge nested step logs without flattening them
             (History then shows replica 0's values for the nested metrics).
+        upstream_ddp_wrap: let Keras (>= 3.16) wrap a kdist model in
+            `DistributedDataParallel` when `torch.distributed` is initialized.
         unmerged_replica_apply: let `optimizer.apply` called by the replicas
             of `strategy.run` update the variables once per replica, one after
             another, instead of summing the gradients and applying once.
@@ -88,6 +90,7 @@ class FaultInjection:
     sample_count_weights: bool = False
     float8_mean: bool = False
     unflattened_logs: bool = False
+    upstream_ddp_wrap: bool = False
     unmerged_replica_apply: bool = False
     no_merge_mode: bool = False
 

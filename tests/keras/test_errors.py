@@ -6,6 +6,7 @@ import pytest
 
 import kdist
 from kdist.errors import InvalidArgumentError, InvalidDeviceError, UnsupportedError
+from kdist.keras import _compat
 from tests.keras import _models as m
 
 
@@ -21,6 +22,10 @@ def test_fit_with_global_batch_smaller_than_replicas_raises_and_changes_nothing(
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
+@pytest.mark.skipif(
+    not _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION,
+    reason="this Keras runs steps_per_execution > 1 on torch (tests/keras/test_replica_engine.py)",
+)
 def test_steps_per_execution_above_one_is_refused_clearly():
     strategy = m.mirrored(2)
     with strategy.scope():

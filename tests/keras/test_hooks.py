@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -13,6 +14,8 @@ import pytest
 
 import kdist
 from kdist.errors import StrategyScopeError
+from kdist.keras import _compat
+from tests import harness
 from tests.keras import _models as m
 
 FIT = dict(batch_size=m.GLOBAL_BATCH, verbose=0, shuffle=False)
@@ -165,3 +168,47 @@ def test_history_json_serialisable():
     model = m.build_in_scope(m.mlp_l2, m.mirrored(2))
     history = model.fit(x, y, epochs=1, **FIT)
     json.dumps(history.history)
+
+
+# ----- Keras 3.16's own DistributedDataParallel wrap -------------------------------
+DDP_WORKER = Path(__file__).parent / "workers" / "ddp_wrap.py"
+
+
+def _wrapped(tmp_path, strategy, num_processes, *extra):
+    specs = harness.python_specs(harness.torchrun_envs(num_processes), DDP_WORKER, "--out", str(tmp_path),
+                                 "--strategy", strategy, *extra)
+    harness.run(specs, timeout=150).check()
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(num_processes)]
+
+
+@pytest.mark.parametrize(
+    "strategy, num_processes", [("multi_worker", 1), ("multi_worker", 2), ("mirrored", 1)]
+)
+def test_no_kdist_model_is_wrapped_in_distributed_data_parallel(tmp_path, strategy, num_processes):
+    """Keras >= 3.16 wraps any torch model in DDP once torch.distributed is initialized;
+    kdist combines gradients itself, so its models must never be wrapped (on 3.15
+    nothing wraps; the negative control below shows the check bites on 3.16)."""
+    for rank in _wrapped(tmp_path, strategy, num_processes):
+        assert rank == {"fit": False, "evaluate": False, "predict": False}
+
+
+@pytest.mark.skipif(not _compat.TORCH_TRAINER_WRAPS_DDP, reason="this Keras never wraps models in DDP")
+def test_negative_control_letting_keras_wrap_is_caught(tmp_path):
+    (rank,) = _wrapped(tmp_path, "multi_worker", 1, "--allow-wrap")
+    assert rank["fit"] is True
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+def test_a_model_made_outside_every_scope_is_refused_inside_one(method):
+    """tf.distribute refuses variables created outside the strategy's scope; here the
+    model would otherwise silently run on one device."""
+    x, y = m.classification_data(64)
+    model = m.mlp_l2()
+    before = [v.numpy().copy() for v in model.weights]
+    strategy = m.mirrored(2)
+    with strategy.scope():
+        with pytest.raises(StrategyScopeError, match="outside every strategy's scope"):
+            getattr(model, method)(x, y, batch_size=32, verbose=0) if method != "predict" else model.predict(x, verbose=0)
+    for value, variable in zip(before, model.weights):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # outside the scope: plain Keras

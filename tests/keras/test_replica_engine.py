@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kdist.errors import ReplicaGradientError
-from kdist.keras import replica_engine
+from kdist.keras import _compat, replica_engine
 from tests.keras import _models as m
 
 FIT = dict(batch_size=m.GLOBAL_BATCH, epochs=2, verbose=0)
@@ -255,3 +255,27 @@ def test_class_weight_matches():
     for model in (reference, distributed):
         model.fit(x, y, class_weight=class_weight, shuffle=False, **FIT)
     m.assert_same_state(reference, distributed)
+
+
+@pytest.mark.skipif(
+    _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION,
+    reason="this Keras refuses steps_per_execution > 1 on torch (tests/keras/test_errors.py)",
+)
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_steps_per_execution_above_one_matches_plain_keras(num_replicas):
+    x, y = m.classification_data()
+
+    def build():
+        model = m.mlp_l2()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), steps_per_execution=3,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        return model
+
+    reference = build()
+    distributed = m.build_in_scope(build, m.mirrored(num_replicas))
+    histories = []
+    for model in (reference, distributed):
+        keras.utils.set_random_seed(11)
+        histories.append(model.fit(x, y, shuffle=True, **FIT).history)
+    m.assert_same_state(reference, distributed)
+    m.assert_same_history(histories[0], histories[1])
