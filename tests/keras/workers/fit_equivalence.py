@@ -31,6 +31,25 @@ def make_data():
     return x, y
 
 
+class SampleCount(keras.metrics.Metric):
+    """How many samples the metric saw: a sum, not a ratio.
+
+    A metric reduced across processes twice doubles; ratio metrics (a mean,
+    accuracy) would hide that, since their totals and counts double together.
+    """
+
+    def __init__(self, name="sample_count", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        del y_pred, sample_weight
+        self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
+
+    def result(self):
+        return self.count
+
+
 def build_model():
     model = keras.Sequential(
         [
@@ -42,7 +61,7 @@ def build_model():
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"],
+        metrics=["sparse_categorical_accuracy", SampleCount()],
     )
     return model
 
