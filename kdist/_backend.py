@@ -1,23 +1,23 @@
 """Which Keras backend kdist drives, chosen before Keras is imported.
 
-kdist respects the user's choice of backend, in Keras' own order:
+kdist is torch first. `import kdist` settles the backend in this order:
 
-1. Keras already imported: its backend.
+1. Keras already imported: its backend (kdist follows it, or raises
+   `BackendError` when it cannot drive it).
 2. `KERAS_BACKEND` set: that backend.
-3. `keras.json` (in `$KERAS_HOME`, else `~/.keras`) names a backend: that one,
-   except `"tensorflow"` when TensorFlow is not installed (Keras writes that
-   default into a new `keras.json` itself, so it is no choice where Keras
-   could not even import).
-4. Nothing chosen: Keras' default (TensorFlow) when TensorFlow is installed,
-   else torch. Only in this last case does kdist set `KERAS_BACKEND=torch`:
-   the one place kdist writes `os.environ`, before Keras reads it.
+3. Otherwise torch: kdist sets `KERAS_BACKEND=torch`, the one place it writes
+   `os.environ`, before Keras reads it.
+
+`keras.json` is not consulted: Keras writes `"backend": "tensorflow"` into a
+new one on its first import, so it records no choice of the user's, and
+following it would switch a torch user to TensorFlow as soon as TensorFlow is
+installed. TensorFlow and JAX are one variable away: `KERAS_BACKEND=tensorflow`
+or `KERAS_BACKEND=jax`.
 
 Each strategy lists the backends it supports in `SUPPORTED_BACKENDS`;
 `require_backend` raises a clear error for the others.
 """
 
-import importlib.util
-import json
 import os
 import sys
 
@@ -35,48 +35,19 @@ STRATEGY_BACKENDS = {
 }
 
 
-def keras_config_path(environ=None):
-    """Where Keras reads `keras.json`, following Keras' own rules."""
-    environ = os.environ if environ is None else environ
-    if "KERAS_HOME" in environ:
-        directory = environ["KERAS_HOME"]
-    else:
-        base = os.path.expanduser("~")
-        if not os.access(base, os.W_OK):
-            base = "/tmp"
-        directory = os.path.join(base, ".keras")
-    return os.path.expanduser(os.path.join(directory, "keras.json"))
-
-
-def _configured_backend(config_path):
-    try:
-        with open(config_path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    backend = config.get("backend") if isinstance(config, dict) else None
-    return backend if isinstance(backend, str) and backend else None
-
-
-def choose_backend(environ, config_backend, tensorflow_installed):
+def choose_backend(environ):
     """The backend to use when Keras is not imported yet, and whether kdist must set it.
 
     Args:
         environ: the process environment (read only).
-        config_backend: the backend `keras.json` names, or None.
-        tensorflow_installed: whether `import tensorflow` would find a package.
 
     Returns:
-        `(backend, set_environment)`: `set_environment` is True when nothing
-        was chosen and kdist picks torch.
+        `(backend, set_environment)`: `set_environment` is True when
+        `KERAS_BACKEND` is unset (or empty) and kdist picks torch.
     """
     requested = environ.get("KERAS_BACKEND")
     if requested:
         return requested, False
-    if config_backend and (config_backend != "tensorflow" or tensorflow_installed):
-        return config_backend, False
-    if tensorflow_installed:
-        return "tensorflow", False
     return DEFAULT_BACKEND, True
 
 
@@ -91,11 +62,7 @@ def select_backend():
         backend = keras_module.backend.backend()
         source = f"Keras was imported with the {backend!r} backend before kdist"
     else:
-        backend, set_environment = choose_backend(
-            os.environ,
-            _configured_backend(keras_config_path()),
-            importlib.util.find_spec("tensorflow") is not None,
-        )
+        backend, set_environment = choose_backend(os.environ)
         source = f"KERAS_BACKEND={backend!r}"
         if set_environment:
             os.environ["KERAS_BACKEND"] = backend
