@@ -1,8 +1,10 @@
 """The `kdist` command line: `kdist launch` and `kdist server` (also `python -m kdist ...`).
 
-`kdist launch` imports neither Keras nor torch: it only starts the user's script
-as child processes, which do. `kdist server` (see `kdist.launch.server_cli`)
-serves a parameter-server task in this process.
+`kdist --help`, `kdist --version` and `kdist launch` import neither Keras nor
+torch (nor TensorFlow or JAX), so they start at once: the launcher only starts
+the user's script as child processes, which do. `kdist server` (see
+`kdist.launch.server_cli`) serves a task in this process: serving imports them,
+`kdist server --help` does not.
 """
 
 import argparse
@@ -10,6 +12,7 @@ import signal
 import sys
 import threading
 
+from kdist import __version__
 from kdist.errors import InvalidArgumentError
 from kdist.launch import plans, server_cli
 from kdist.launch.cluster_file import parse_task
@@ -70,6 +73,7 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="kdist", description="kdist: tf.distribute-style distributed training for Keras 3."
     )
+    parser.add_argument("--version", action="version", version=f"kdist {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launch = commands.add_parser(
         "launch",
