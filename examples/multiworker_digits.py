@@ -10,7 +10,8 @@ The same program runs unchanged under every launcher:
 Every process builds the model inside `strategy.scope()` and calls `fit` on the
 whole data set with the GLOBAL batch size; each takes its slice of every batch.
 Only the chief (rank 0) prints progress, writes the CSV log and the checkpoints;
-`BackupAndRestore` lets a restarted job resume from its last completed epoch.
+`BackupAndRestore` lets a restarted job resume from its last completed epoch
+(given `--out-dir`; without it the files go to a temporary directory removed at exit).
 The chief reloads the saved model with plain Keras, checks that it predicts
 the same, and prints one JSON line. Exit status is non-zero when the test
 accuracy is below `--min-accuracy`.
@@ -30,6 +31,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
@@ -46,8 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch size, split across all processes")
     parser.add_argument(
         "--out-dir",
-        default="multiworker_digits_output",
-        help="directory every process can reach (shared storage on several hosts) for checkpoints and logs",
+        default=None,
+        help="directory every process can reach (shared storage on several hosts) for checkpoints and logs; "
+        "give it to resume after a crash (default: a temporary directory per process, removed at exit)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may wait for a rank")
     parser.add_argument("--min-accuracy", type=float, default=0.8, help="exit non-zero below this test accuracy")
@@ -61,6 +64,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.out_dir is not None:
+        return train(args)
+    # Each process its own: only the chief writes there, and nothing outlives the run.
+    with tempfile.TemporaryDirectory(prefix="multiworker_digits_") as out_dir:
+        args.out_dir = out_dir
+        return train(args)
+
+
+def train(args):
     start = time.perf_counter()
     strategy = kdist.MultiWorkerMirroredStrategy(
         communication_options=kdist.CommunicationOptions(timeout_seconds=args.timeout)

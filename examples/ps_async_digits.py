@@ -31,6 +31,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
@@ -45,7 +46,9 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=20, help="epochs on every worker")
     parser.add_argument("--samples", type=int, default=8000, help="training samples, split over the workers")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size of EACH worker")
-    parser.add_argument("--out-dir", default="ps_async_digits_output", help="where the chief writes files")
+    parser.add_argument(
+        "--out-dir", default=None, help="where the chief writes files (default: a temporary directory, removed at exit)"
+    )
     parser.add_argument("--min-accuracy", type=float, default=0.8, help="exit non-zero below this test accuracy")
     parser.add_argument("--small", action="store_true", help="CI size: 3000 samples, at most 20 epochs")
     args = parser.parse_args(argv)
@@ -130,7 +133,11 @@ def main(argv=None):
     resolver = kdist.cluster.TFConfigClusterResolver()
     if resolver.task_type == "ps":
         return serve(resolver)
-    return train(args, resolver)
+    if args.out_dir is not None:
+        return train(args, resolver)
+    with tempfile.TemporaryDirectory(prefix="ps_async_digits_") as out_dir:
+        args.out_dir = out_dir
+        return train(args, resolver)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
@@ -47,7 +49,10 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--steps-per-epoch", type=int, default=100)
     parser.add_argument("--steps-per-execution", type=int, default=10, help="training steps per scheduled closure")
-    parser.add_argument("--out-dir", default="ps_coordinator_fit_output", help="checkpoints and the final model")
+    parser.add_argument(
+        "--out-dir", default=None,
+        help="checkpoints and the final model, read by the evaluator too (default: a directory under the "
+        "system's temporary directory named after the cluster, so every task of one cluster finds it)")
     parser.add_argument("--min-accuracy", type=float, default=0.8, help="exit non-zero below this test accuracy")
     parser.add_argument("--small", action="store_true", help="CI size: 8 epochs of 60 steps")
     args = parser.parse_args(argv)
@@ -99,6 +104,7 @@ def train(args, resolver):
         "epochs_run": len(history.history.get("loss", [])),
         "final_loss": round(history.history["loss"][-1], 4) if history.history.get("loss") else None,
         "test_accuracy": round(test_accuracy, 4),
+        "out_dir": args.out_dir,
         "closures": stats["closures_done"],
         "closures_retried": stats["closures_retried"],
         "seconds": round(time.perf_counter() - start, 1),
@@ -119,9 +125,24 @@ def evaluate_checkpoints(args):
     return 0
 
 
+def cluster_directory(resolver):
+    """The default --out-dir: under the system's temporary directory, one per cluster.
+
+    The chief writes checkpoints there and the evaluator, another process, reads
+    them, so both must derive the same path: it is named after the cluster's
+    addresses. Rerunning with the same TF_CONFIG resumes from its backup;
+    `kdist launch` picks new ports, hence a new directory, for every launch.
+    """
+    cluster = json.dumps(resolver.cluster_spec().as_dict(), sort_keys=True)
+    digest = hashlib.sha256(cluster.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"ps_coordinator_fit-{digest}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     resolver = kdist.cluster.TFConfigClusterResolver()
+    if args.out_dir is None:
+        args.out_dir = cluster_directory(resolver)
     if resolver.task_type in ("ps", "worker"):
         kdist.distribute.Server(resolver.cluster_spec(), resolver.task_type, resolver.task_id).join()
         return 0

@@ -44,6 +44,7 @@ class Preempted(Exception):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The tutorial's own path: a fixed one, so that a rerun resumes from its backup.
     parser.add_argument("--working-dir", default="/tmp/my_working_dir")
     parser.add_argument("--part", choices=("fit", "loop", "all"), default="all")
     parser.add_argument("--preempt-after-epoch", type=int, default=0)
