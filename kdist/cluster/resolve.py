@@ -32,6 +32,18 @@ def local_cluster_resolver():
     )
 
 
+def is_local_cluster(cluster_resolver):
+    """True when `cluster_resolver` is `local_cluster_resolver()`'s one-process cluster.
+
+    `resolve_cluster()` returns that one only when the environment names no
+    cluster; a strategy uses this to say so.
+    """
+    # Port 0 ("any free port") in a cluster spec comes only from local_cluster_resolver().
+    if not isinstance(cluster_resolver, SimpleClusterResolver):
+        return False
+    return cluster_resolver.cluster_spec().as_dict() == {TaskType.WORKER.value: [LOCAL_ADDRESS]}
+
+
 def resolve_cluster(cluster_resolver=None, environ=None):
     """Returns `cluster_resolver`, or the one the environment describes.
 

@@ -8,10 +8,13 @@ program; `model.fit` in every process trains one model on the global batch.
 See `docs/multi_worker.md`.
 """
 
+import warnings
+
 import torch
 
 from kdist._backend import STRATEGY_BACKENDS, require_backend
 from kdist.cluster import resolve_cluster
+from kdist.cluster.resolve import is_local_cluster
 from kdist.collectives.process import CommunicationOptions, ProcessCollectives
 from kdist.distribute.devices import resolve_devices
 from kdist.distribute.mirrored import MirroredExtended
@@ -19,6 +22,17 @@ from kdist.distribute.extended import HOST_DEVICE, ChiefRoles
 from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored
 from kdist.types import ReduceOp
+
+# Warned when the environment names no cluster: a script meant for several
+# processes, started with plain `python`, would otherwise train alone silently.
+SINGLE_WORKER_MESSAGE = (
+    "MultiWorkerMirroredStrategy found no cluster in the environment (no TF_CONFIG cluster, "
+    "no torchrun variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and runs as a single "
+    "worker: this process alone. To train in N processes, start the script with "
+    "`kdist launch --nproc N script.py`, with torchrun, or with a TF_CONFIG in each process's "
+    "environment (docs/multi_worker.md). To run as one worker without this warning, pass "
+    "cluster_resolver=kdist.cluster.local_cluster_resolver()."
+)
 
 
 class MultiWorkerExtended(ChiefRoles, MirroredExtended):
@@ -32,6 +46,9 @@ class MultiWorkerExtended(ChiefRoles, MirroredExtended):
     def __init__(self, container_strategy, cluster_resolver, communication_options, devices):
         communication_options = CommunicationOptions.from_argument(communication_options)
         resolver = resolve_cluster(cluster_resolver)
+        if cluster_resolver is None and is_local_cluster(resolver):
+            # stacklevel 3 names the user's line; Python's default filter shows it once per line.
+            warnings.warn(SINGLE_WORKER_MESSAGE, UserWarning, stacklevel=3)
         rendezvous = resolver.rendezvous()
         super().__init__(container_strategy, _local_devices(devices, rendezvous), None)
         self.cluster_resolver = resolver

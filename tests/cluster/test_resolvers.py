@@ -11,8 +11,10 @@ from kdist.cluster import (
     SimpleClusterResolver,
     TFConfigClusterResolver,
     TorchrunClusterResolver,
+    local_cluster_resolver,
     resolve_cluster,
 )
+from kdist.cluster.resolve import is_local_cluster
 from kdist.errors import InvalidArgumentError
 
 SEED_CLUSTER = {
@@ -213,6 +215,21 @@ def test_resolve_cluster_falls_back_to_one_local_process(environ):
     resolver = resolve_cluster(environ=environ)
     assert resolver.is_chief
     assert resolver.rendezvous() == Rendezvous(0, 1, 0, 1, "127.0.0.1", 0, False)
+    assert is_local_cluster(resolver)
+
+
+def test_a_cluster_of_one_named_by_the_environment_is_not_the_local_fallback():
+    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    one_worker = {
+        "TF_CONFIG": json.dumps(
+            {"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}
+        )
+    }
+    for environ in (one_rank, one_worker):
+        assert resolve_cluster(environ=environ).rendezvous().world_size == 1
+        assert not is_local_cluster(resolve_cluster(environ=environ))
+    assert not is_local_cluster(SimpleClusterResolver({"worker": ["127.0.0.1:2222"]}))
+    assert is_local_cluster(local_cluster_resolver())
 
 
 def test_resolve_cluster_reports_a_malformed_tf_config():
