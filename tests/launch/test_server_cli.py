@@ -143,6 +143,17 @@ def test_bad_options_are_usage_errors(tmp_path, capsys, monkeypatch, certificate
     assert message in err
 
 
+def test_help_describes_both_jobs(capsys):
+    assert cli.main(["server", "--help"]) == 0
+    server_help = " ".join(capsys.readouterr().out.split())
+    assert "--job ps the variable service" in server_help
+    assert "--job worker the worker service" in server_help
+    assert "kdist server --job worker --index 0" in server_help  # An example for each job.
+    assert "kdist server --job ps --index 0" in server_help
+    assert cli.main(["--help"]) == 0
+    assert "serve one ps or worker task" in capsys.readouterr().out
+
+
 def test_launch_is_still_a_subcommand():
     args = cli.build_parser().parse_args(["launch", "--nproc", "2", "train.py"])
     assert args.command == "launch" and args.run is cli.run_launch
