@@ -1,4 +1,8 @@
-"""`kdist server`: run one parameter-server task of a cluster until stopped.
+"""`kdist server`: run one ps or worker task of a parameter-server cluster until stopped.
+
+A `ps` task serves variables (the variable service); a `worker` task runs the
+functions that the chief's `ClusterCoordinator` schedules onto it (the worker
+service). The chief and the evaluator run programs, not servers.
 
 `prepare(args)` turns the parsed arguments into a `ServerPlan` (every check
 that can fail before anything starts, so mistakes are usage errors, exit 2);
@@ -28,8 +32,12 @@ SERVER_EPILOG = """\
 examples:
   # parameter server 0 of the cluster in cluster.json, reachable from other hosts:
   kdist server --job ps --index 0 --cluster cluster.json --bind 0.0.0.0
-  #   cluster.json: {"worker": ["10.0.0.1:2222"], "ps": ["10.0.0.2:2222"]}
+  #   cluster.json: {"chief": ["10.0.0.9:2222"], "worker": ["10.0.0.1:2222"],
+  #                  "ps": ["10.0.0.2:2222"]}
   #   (or a whole TF_CONFIG object; its "cluster" key is used)
+
+  # worker 0 of the same cluster: runs what the chief's ClusterCoordinator schedules
+  kdist server --job worker --index 0 --cluster cluster.json --bind 0.0.0.0
 
   # the task TF_CONFIG describes, with TLS and a shared token:
   TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' \\
@@ -43,7 +51,8 @@ security:
   token crosses the network in clear text.
 
 output and exit:
-  One line on stdout once serving: "[kdist] serving ps:0 at HOST:PORT (...)".
+  One line on stdout once serving: "[kdist] serving ps:0 at HOST:PORT (...)"
+  (or "serving worker:0 ...").
   SIGTERM or Ctrl-C stops the server (calls in flight get --grace seconds) and
   exits 0; a configuration error exits 2, a failure to serve exits 1.
 """
@@ -67,9 +76,13 @@ def add_parser(commands, count_type, seconds_type):
 
     parser = commands.add_parser(
         "server",
-        help="serve one parameter-server task of a cluster until stopped",
-        description="Serve the variable service of one parameter-server (ps) task of a "
-        "cluster until SIGTERM or Ctrl-C.",
+        help="serve one ps or worker task of a parameter-server cluster until stopped",
+        description="Serve one task of a parameter-server cluster until SIGTERM or Ctrl-C.\n"
+        "  --job ps      the variable service: holds variables, applies pushed gradients\n"
+        "  --job worker  the worker service: runs the functions the chief's\n"
+        "                ClusterCoordinator schedules onto it (model.fit or a custom loop)\n"
+        "The chief runs the training program and the evaluator runs\n"
+        "kdist.SidecarEvaluator; neither is a server.",
         epilog=SERVER_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -157,7 +170,12 @@ def prepare(args, environ=None):
 
 def run_server(args, plan):
     """Serves `plan` until SIGTERM/SIGINT; returns the exit code (0 after a signal)."""
+    import kdist
     from kdist.distribute.server import Server
+
+    # A worker task rebuilds Keras models, optimizers and metrics for the closures it
+    # runs: load kdist's public surface, which installs its Keras hooks and worker runtime.
+    kdist._load()
 
     name = f"{plan.job_name}:{plan.task_index}"
     with _StopSignals() as stop:
