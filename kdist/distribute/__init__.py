@@ -50,11 +50,3 @@ __all__ = [
     "in_cross_replica_context",
     "partitioners",
 ]
-
-# Strategies drive Keras models through hooks that `kdist` installs when its
-# public surface first loads; a program that imports this package directly
-# (`from kdist.distribute import MirroredStrategy`) must get them too, or its
-# models would silently train on one device.
-import kdist as _kdist  # noqa: E402
-
-_kdist._load()

@@ -57,6 +57,19 @@ class StrategyScope:
         return False
 
 
+def _load_public_surface():
+    """Makes sure `kdist`'s public surface, and so its Keras hooks, is loaded.
+
+    `import kdist` is lazy; a program that reaches strategies through
+    `kdist.distribute` directly must still get the hooks, or its models would
+    silently train on one device. At run time, not import time: loading imports
+    the Keras layer, which imports this package.
+    """
+    import kdist
+
+    kdist._load()
+
+
 class Strategy:
     """A set of replicas and a policy for running and combining work on them.
 
@@ -70,6 +83,7 @@ class Strategy:
 
     def __init__(self, extended):
         self._extended = extended
+        _load_public_surface()
 
     @property
     def extended(self):

@@ -47,7 +47,7 @@ class SampleCount(keras.metrics.Metric):
         self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
 
     def result(self):
-        return self.count
+        return keras.ops.copy(self.count)  # not the variable itself: evaluate resets it later
 
 
 def build_model():
