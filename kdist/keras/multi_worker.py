@@ -76,7 +76,14 @@ class _HasDataIterable:
         self._collectives = collectives
 
     def __iter__(self):
-        iterator = iter(self._iterable)
+        # iter() of the input now, not at the first next(), as Keras would:
+        # a DataLoader draws its base seed from torch's global generator in
+        # iter(), and Keras makes (and drops) one more iterator at every
+        # epoch's end. Deferring that draw would leave rank 0's random state
+        # one draw behind plain Keras' before the next epoch's shuffle.
+        return self._batches(iter(self._iterable))
+
+    def _batches(self, iterator):
         collectives = self._collectives
         while True:
             try:

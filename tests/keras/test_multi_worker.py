@@ -29,6 +29,12 @@ def reference():
     return fit_equivalence.train()
 
 
+@pytest.fixture(scope="module")
+def loader_reference():
+    """Plain Keras from a shuffling DataLoader, seeded like rank 0."""
+    return fit_equivalence.train(input_kind="loader")
+
+
 def run_job(tmp_path, num_processes, *args, envs=None, timeout=150):
     envs = envs or harness.torchrun_envs(num_processes)
     specs = harness.python_specs(envs, WORKER, "--out", str(tmp_path), *args)
@@ -90,23 +96,39 @@ def test_processes_with_two_local_devices_each_match_plain_keras(tmp_path, refer
     assert_matches(reference, ranks[0])
 
 
+def test_processes_training_from_a_shuffling_dataloader_match_plain_keras(tmp_path, loader_reference):
+    # Every rank's RandomSampler draws its seed from torch's global generator,
+    # so every rank must hold rank 0's state, and rank 0 the plain run's: kdist
+    # must not change when the DataLoader is iterated (Keras calls iter() on it
+    # at every epoch's end too, which draws from that generator).
+    ranks = run_job(tmp_path, 2, "--input", "loader")
+    assert_ranks_identical(ranks)
+    assert_matches(loader_reference, ranks[0])
+
+
 @pytest.mark.parametrize(
-    "fault, num_processes, broken_keys",
+    "fault, input_kind, num_processes, broken_keys",
     [
         # Without rank 0's shuffle order every rank trains on a different
         # permutation: still identical to each other (gradients are
-        # all-reduced), but not the samples plain Keras sees.
-        ("unshared_random_state", 2, "weight/"),
+        # all-reduced), but not the samples plain Keras sees. From a
+        # DataLoader (its sampler seeds from torch's global generator): Keras
+        # 3.16 seeds array shuffles with its own epoch counter, not the
+        # random state, so with arrays the control would not bite there.
+        ("unshared_random_state", "loader", 2, "weight/"),
         # A DistributedDataParallel wrap would average raw gradients over ranks
         # before kdist's weighted sum: wrong with uneven shards (22/21/21).
-        ("ddp_averaged_gradients", 3, "weight/"),
+        ("ddp_averaged_gradients", "arrays", 3, "weight/"),
         # Keras' own (patched, upstream-like) get_metrics_result sums the
         # already-combined metrics again.
-        ("upstream_metrics_result", 2, "history/"),
+        ("upstream_metrics_result", "arrays", 2, "history/"),
     ],
 )
-def test_negative_controls_fail_the_comparison(tmp_path, reference, fault, num_processes, broken_keys):
-    ranks = run_job(tmp_path, num_processes, "--fault", fault, "--simulate-upstream-ddp-metrics")
+def test_negative_controls_fail_the_comparison(request, tmp_path, fault, input_kind, num_processes, broken_keys):
+    reference = request.getfixturevalue("loader_reference" if input_kind == "loader" else "reference")
+    ranks = run_job(
+        tmp_path, num_processes, "--fault", fault, "--simulate-upstream-ddp-metrics", "--input", input_kind
+    )
     assert_ranks_identical(ranks)
     diffs = differences(reference, ranks[0])
     broken = {key: diff for key, diff in diffs.items() if key.startswith(broken_keys) and diff > 1e-3}

@@ -66,8 +66,16 @@ def build_model():
     return model
 
 
-def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED):
-    """Builds, trains, evaluates and predicts; returns a dict of numpy results."""
+INPUT_KINDS = ("arrays", "loader")
+
+
+def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED, input_kind="arrays"):
+    """Builds, trains, evaluates and predicts; returns a dict of numpy results.
+
+    `input_kind="loader"` trains from a shuffling `torch.utils.data.DataLoader`
+    (its `RandomSampler` draws its seed from torch's global generator) instead
+    of shuffled arrays.
+    """
     keras.utils.set_random_seed(initial_seed)
     x, y = make_data()
     if strategy is None:
@@ -75,8 +83,18 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED):
     else:
         with strategy.scope():
             model = build_model()
+    if input_kind == "arrays":
+        inputs = dict(x=x, y=y, batch_size=GLOBAL_BATCH, shuffle=True)
+    elif input_kind == "loader":
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        inputs = dict(x=DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=True))
+    else:
+        raise ValueError(f"input_kind must be one of {INPUT_KINDS}. Received: input_kind={input_kind!r}")
     history = model.fit(
-        x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=True, verbose=0,
+        **inputs, epochs=epochs, verbose=0,
         validation_data=(x[:200], y[:200]), callbacks=list(callbacks),
     )
     evaluation = model.evaluate(x[:300], y[:300], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
@@ -137,6 +155,7 @@ def main():
     )
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--local-devices", type=int, default=1)
+    parser.add_argument("--input", choices=INPUT_KINDS, default="arrays", help="what fit trains from")
     args = parser.parse_args()
 
     import kdist
@@ -151,7 +170,7 @@ def main():
         communication_options=kdist.CommunicationOptions(timeout_seconds=args.timeout), devices=devices
     )
     rank = strategy.extended.collectives.rank
-    results = train(strategy, initial_seed=SEED + rank)
+    results = train(strategy, initial_seed=SEED + rank, input_kind=args.input)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
     print(f"rank {rank} of {strategy.extended.collectives.world_size} done", flush=True)
     return 0
