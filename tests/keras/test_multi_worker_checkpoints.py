@@ -22,7 +22,9 @@ _LOAD_WITHOUT_KDIST = """
 import os, sys
 os.environ["KERAS_BACKEND"] = "torch"
 import keras, numpy as np
-model = keras.saving.load_model(sys.argv[1])
+sys.path.insert(0, sys.argv[3])
+from tests.keras.workers.fit_equivalence import SampleCount  # the user's own metric, not kdist
+model = keras.saving.load_model(sys.argv[1], custom_objects={"SampleCount": SampleCount})
 assert "kdist" not in sys.modules, "the checkpoint needed kdist to load"
 x, _ = (np.random.default_rng(0).normal(size=(1000, 12)).astype("float32"), None)
 np.save(sys.argv[2], model.predict(x[:333], batch_size=64, verbose=0))
@@ -46,7 +48,8 @@ def test_only_the_chief_writes_and_the_checkpoint_loads_in_plain_keras(tmp_path)
     predictions = tmp_path / "plain_predictions.npy"
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     subprocess.run(
-        [sys.executable, "-c", _LOAD_WITHOUT_KDIST, str(tmp_path / "checkpoints" / "model.keras"), str(predictions)],
+        [sys.executable, "-c", _LOAD_WITHOUT_KDIST, str(tmp_path / "checkpoints" / "model.keras"), str(predictions),
+         str(harness.REPO_ROOT)],
         check=True,
         timeout=120,
         env=env,
