@@ -4,9 +4,13 @@ Every builder seeds Keras first, so two calls (one plain, one inside a
 strategy's scope) create identical initial weights.
 """
 
+import contextlib
+
 import kdist  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
 import keras
 import numpy as np
+
+from kdist.keras import replica_engine
 
 NUM_SAMPLES = 1000
 GLOBAL_BATCH = 64  # 1000 = 15 * 64 + 40: the last batch is partial and splits unevenly
@@ -198,3 +202,14 @@ def assert_same_outputs(reference, candidate, atol=1e-5):
     assert len(ref_leaves) == len(cand_leaves)
     for ref, cand in zip(ref_leaves, cand_leaves):
         np.testing.assert_allclose(np.asarray(cand), np.asarray(ref), atol=atol, rtol=1e-5)
+
+
+@contextlib.contextmanager
+def fault(**flags):
+    """Switches on the named `replica_engine.FaultInjection` bugs (negative controls) for the block."""
+    saved = replica_engine._TESTING_FAULTS
+    replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(**flags)
+    try:
+        yield
+    finally:
+        replica_engine._TESTING_FAULTS = saved

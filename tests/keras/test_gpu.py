@@ -88,7 +88,7 @@ def test_two_gpu_replicas_match_plain_keras(builder):
 @needs_two
 def test_gpu_replica_gradients_are_checked():
     from kdist.errors import ReplicaGradientError
-    from tests.keras.test_replica_engine import fault
+    from tests.keras._models import fault
 
     model = m.build_in_scope(m.mlp_l2, kdist.MirroredStrategy(["cuda:0", "cuda:1"]))
     x, y = m.classification_data(128)

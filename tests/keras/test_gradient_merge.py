@@ -12,7 +12,6 @@ Each has a negative control: the old per-replica apply, and recording both
 applies without merging.
 """
 
-import contextlib
 from pathlib import Path
 
 import keras
@@ -21,23 +20,12 @@ import pytest
 import torch
 
 import kdist
-from kdist.keras import replica_engine
 from tests import harness
 from tests.keras import _models as m
 from tests.keras.workers import custom_loop_tutorial as tutorial
 from tests.keras.workers.gan import build_gan, fit_gan
 
 TOLERANCE = 1e-5
-
-
-@contextlib.contextmanager
-def fault(**flags):
-    saved = replica_engine._TESTING_FAULTS
-    replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(**flags)
-    try:
-        yield
-    finally:
-        replica_engine._TESTING_FAULTS = saved
 
 
 def worst_differences(reference, results):
@@ -60,7 +48,7 @@ def test_custom_loop_tutorial_matches_one_device(one_device, num_replicas):
 
 
 def test_negative_control_applying_once_per_replica_is_caught(one_device):
-    with fault(unmerged_replica_apply=True):
+    with m.fault(unmerged_replica_apply=True):
         results = tutorial.train(m.mirrored(2))
     assert int(results["iterations"]) == 2 * int(results["steps"])
     assert worst_differences(one_device, results)
@@ -135,7 +123,7 @@ def test_gan_across_two_processes_matches_plain_keras(plain_gan, tmp_path):
 
 
 def test_negative_control_recording_both_applies_is_caught(plain_gan):
-    with fault(no_merge_mode=True):
+    with m.fault(no_merge_mode=True):
         with m.mirrored(2).scope():
             gan = build_gan()
         results = fit_gan(gan)

@@ -7,30 +7,19 @@ weights. 200 samples in global batches of 32 leave a last batch of 8 (3/3/2
 over 3 replicas). Each case has a negative control that restores the wrong rule.
 """
 
-import contextlib
 
 import keras
 import numpy as np
 import pytest
 import torch
 
-from kdist.keras import loss_denominators, replica_engine
+from kdist.keras import loss_denominators
 from tests.keras import _models as m
 
 NUM = 200
 BATCH = 32
 FIT = dict(batch_size=BATCH, epochs=2, verbose=0)
 VOCAB, STEPS, CLASSES = 12, 7, 5
-
-
-@contextlib.contextmanager
-def fault(**flags):
-    saved = replica_engine._TESTING_FAULTS
-    replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(**flags)
-    try:
-        yield
-    finally:
-        replica_engine._TESTING_FAULTS = saved
 
 
 def train_pair(builder, num_replicas, x, y, sample_weight=None):
@@ -164,7 +153,7 @@ def test_mask_zero_through_gru_matches_plain_keras():
 
 def test_negative_control_sample_count_weights_break_masked_loss():
     x, y = masked_sequences()
-    with fault(sample_count_weights=True):
+    with m.fault(sample_count_weights=True):
         assert_not_equivalent(masked_dense, 3, x, y)
 
 
@@ -177,7 +166,7 @@ def test_ignore_class_matches_plain_keras(num_replicas):
 
 def test_negative_control_sample_count_weights_break_ignore_class():
     x, y = ignored_labels()
-    with fault(sample_count_weights=True):
+    with m.fault(sample_count_weights=True):
         assert_not_equivalent(ignore_class_mlp, 3, x, y)
 
 
@@ -190,7 +179,7 @@ def test_sample_weighted_losses_match_plain_keras(reduction):
 
 def test_negative_control_sample_count_weights_break_mean_with_sample_weight():
     x, y = m.regression_data(NUM)
-    with fault(sample_count_weights=True):
+    with m.fault(sample_count_weights=True):
         assert_not_equivalent(weighted_mean_mlp, 3, x, y, sample_weight=skewed_sample_weights())
 
 
@@ -293,7 +282,7 @@ def test_float8_scales_and_amax_histories_match_plain_keras(num_replicas):
 
 def test_negative_control_float8_mean_breaks_amax_histories():
     x, y = m.classification_data(NUM)
-    with fault(float8_mean=True):
+    with m.fault(float8_mean=True):
         reference, distributed, _ = train_pair(float8_mlp, 3, x, y)
     worst = max(
         float(np.max(np.abs(dist - ref) / (np.abs(ref) + 1e-7)))
@@ -352,7 +341,7 @@ def test_nested_logs_history_matches_plain_keras():
 
 def test_negative_control_unflattened_logs_break_history():
     x, y = ignored_labels()
-    with fault(unflattened_logs=True):
+    with m.fault(unflattened_logs=True):
         _, _, (ref_history, dist_history) = train_pair(nested_logs_model, 3, x, y)
     with pytest.raises(AssertionError):
         m.assert_same_history(ref_history, dist_history)

@@ -5,27 +5,16 @@ unevenly over 3 replicas (14/13/13): exactly where an unweighted gradient
 mean goes wrong.
 """
 
-import contextlib
 
 import keras
 import numpy as np
 import pytest
 
 from kdist.errors import ReplicaGradientError
-from kdist.keras import _compat, replica_engine
+from kdist.keras import _compat
 from tests.keras import _models as m
 
 FIT = dict(batch_size=m.GLOBAL_BATCH, epochs=2, verbose=0)
-
-
-@contextlib.contextmanager
-def fault(**flags):
-    saved = replica_engine._TESTING_FAULTS
-    replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(**flags)
-    try:
-        yield
-    finally:
-        replica_engine._TESTING_FAULTS = saved
 
 
 def train_pair(builder, num_replicas, x, y, sample_weight=None, validation=None):
@@ -81,14 +70,14 @@ def test_subclassed_model_with_custom_train_step_matches(num_replicas):
 
 def test_negative_control_unweighted_gradient_mean_breaks_equivalence():
     x, y, sample_weight = m.two_input_data()
-    with fault(unweighted_gradient_mean=True):
+    with m.fault(unweighted_gradient_mean=True):
         with pytest.raises(AssertionError):
             assert_equivalent(m.two_input_two_output, 3, x, y, sample_weight=sample_weight)
 
 
 def test_negative_control_dropped_add_loss_breaks_equivalence():
     x, y = m.classification_data()
-    with fault(drop_replica_losses=True):
+    with m.fault(drop_replica_losses=True):
         with pytest.raises(AssertionError):
             assert_equivalent(m.mlp_l2, 2, x, y)
 
@@ -97,7 +86,7 @@ def test_replica_without_gradient_raises_instead_of_training_on_fewer_replicas()
     x, y = m.classification_data(128)
     model = m.build_in_scope(m.mlp_l2, m.mirrored(2))
     before = [v.numpy().copy() for v in model.trainable_variables]
-    with fault(drop_replica_gradients=True):
+    with m.fault(drop_replica_gradients=True):
         with pytest.raises(ReplicaGradientError, match="Replica 1 produced no gradient"):
             model.fit(x, y, batch_size=64, epochs=1, verbose=0)
     for value, variable in zip(before, model.trainable_variables):
