@@ -54,8 +54,7 @@ def combine_recorded(engine, replicas, total, recorders):
                 f"{num_calls} time(s). train_step must apply gradients the same "
                 "number of times on every replica."
             )
-    updates, pending = [], []
-    weights = weights_for_call(engine, replicas, total, [None] * len(replicas))
+    updates, pending, weights = [], [], None
     for call_index in range(num_calls):
         optimizer, _, variables, _ = calls_per_replica[0][call_index]
         weights = weights_for_call(engine, replicas, total, [calls[call_index][3] for calls in calls_per_replica])
@@ -63,6 +62,8 @@ def combine_recorded(engine, replicas, total, recorders):
         gradients, works = combine_call(engine, call_index, replicas, variables, gradient_lists, weights)
         updates.append((optimizer, variables, gradients))
         pending.extend(works)
+    if weights is None:  # a step that applied nothing: the samples' shares
+        weights = weights_for_call(engine, replicas, total, [None] * len(replicas))
     return updates, pending, weights
 
 
