@@ -198,6 +198,56 @@ def test_negative_control_letting_keras_wrap_is_caught(tmp_path):
     assert rank["fit"] is True
 
 
+# ----- Keras 3.16's own keras.distribution.DataParallel, kdist installed but unused -----
+DATA_PARALLEL_WORKER = Path(__file__).parent / "workers" / "upstream_data_parallel.py"
+_needs_upstream_data_parallel = pytest.mark.skipif(
+    not _compat.TORCH_TRAINER_WRAPS_DDP, reason="this Keras has no multi-process DataParallel on torch"
+)
+
+
+def _data_parallel_run(tmp_path, mode):
+    out = tmp_path / mode
+    out.mkdir()
+    specs = harness.python_specs(harness.torchrun_envs(2), DATA_PARALLEL_WORKER, "--out", str(out), "--mode", mode)
+    harness.run(specs, timeout=150).check()
+    ranks = []
+    for rank in range(2):
+        with np.load(out / f"rank{rank}.npz") as arrays:
+            ranks.append({name: arrays[name] for name in arrays.files})
+    return ranks
+
+
+def _differences(a, b):
+    assert a.keys() == b.keys()
+    return {name: float(np.max(np.abs(a[name].astype("float64") - b[name].astype("float64"))))
+            for name in a if not np.array_equal(a[name], b[name])}
+
+
+@_needs_upstream_data_parallel
+def test_an_upstream_data_parallel_program_is_unchanged_by_loading_kdist(tmp_path):
+    """A Keras 3.16 DataParallel program (two processes, Keras' own DDP wrap and metric
+    reduction) gives bit-identical weights, optimizer slots, history, evaluate and
+    predict whether or not kdist and all its hooks are loaded in the process."""
+    plain = _data_parallel_run(tmp_path, "plain")
+    loaded = _data_parallel_run(tmp_path, "hooks")
+    for rank in range(2):
+        assert plain[rank]["wrapped"] and loaded[rank]["wrapped"], "Keras' own DDP wrap must still happen"
+        assert _differences(plain[rank], loaded[rank]) == {}
+    # DDP kept the two ranks in step (so the comparison above covers a synchronised run).
+    assert _differences({k: v for k, v in plain[0].items() if k.startswith("weight/")},
+                        {k: v for k, v in plain[1].items() if k.startswith("weight/")}) == {}
+
+
+@_needs_upstream_data_parallel
+def test_negative_control_kdist_unwrapping_a_user_model_is_caught(tmp_path):
+    """If kdist's keep-out-of-DDP reached a model it does not own, the comparison fails."""
+    plain = _data_parallel_run(tmp_path, "plain")
+    unwrapped = _data_parallel_run(tmp_path, "kdist-unwraps")
+    assert not unwrapped[0]["wrapped"]
+    differences = _differences(plain[0], unwrapped[0])
+    assert any(name.startswith("weight/") for name in differences), differences
+
+
 @pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
 def test_a_model_made_outside_every_scope_is_refused_inside_one(method):
     """tf.distribute refuses variables created outside the strategy's scope; here the
