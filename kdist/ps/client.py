@@ -1,16 +1,16 @@
 """`VariableClient`: the worker's and coordinator's end of the variable service."""
 
-import json
+import threading
 import time
 
 import grpc
 import numpy as np
 
 from kdist.cluster.spec import parse_address
-from kdist.errors import InvalidArgumentError
+from kdist.errors import InvalidArgumentError, ParameterServerUnavailableError
 from kdist.ps import codec
 from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.methods import METHODS, SERVICE_NAME
+from kdist.ps.methods import METHODS
 from kdist.ps.optimizer_host import canonical_config
 from kdist.ps.options import ServiceOptions
 from kdist.ps.security import Security
@@ -28,24 +28,20 @@ from kdist.ps.values import (
     check_name,
     check_update_id,
 )
+from kdist.ps.watchdog import GRACE_SECONDS, CallCancelled, watched_call
 
-# gRPC retries a call that failed with UNAVAILABLE (server restarting, connection
-# refused or reset) this many times in all, backing off 0.1 s, 0.2 s, ... up to
-# 1 s: about 1.5 s in total, then the client raises
-# ParameterServerUnavailableError. Only calls whose request fits gRPC's retry
-# buffer (256 KiB) are retried after their first message was sent.
-RETRY_POLICY = {
-    "maxAttempts": 5,
-    "initialBackoff": "0.1s",
-    "maxBackoff": "1s",
-    "backoffMultiplier": 2,
-    "retryableStatusCodes": ["UNAVAILABLE"],
-}
+# gRPC's own retry policy is off: with it on, a pull stream in flight when its
+# server was `kill -9`ed could block far past its deadline. The client retries
+# instead (`VariableClient._call`): a call that failed with UNAVAILABLE (server
+# restarting, connection refused or reset) is sent again up to this many times
+# in all, backing off 0.1 s, 0.2 s, ... up to 1 s: about 1.5 s in total, then the
+# client raises ParameterServerUnavailableError. Only calls that are safe to
+# repeat are retried: every one but a push or assign without an `update_id`.
+MAX_ATTEMPTS = 5
+RETRY_BACKOFF_SECONDS = (0.1, 1.0)  # (initial, max); doubles at each retry
+_CHANNEL_OPTIONS = [("grpc.enable_retries", 0)]
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": RETRY_POLICY}]
-})
 
 
 class VariableClient:
@@ -84,8 +80,7 @@ class VariableClient:
         self.options = ServiceOptions() if options is None else options
         security = Security() if security is None else security
         channel_options = self.options.grpc_options() + [
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", _SERVICE_CONFIG),
+            *_CHANNEL_OPTIONS,
             # Loopback and cluster addresses must not go through an HTTP proxy
             # that happens to be set in the environment.
             ("grpc.enable_http_proxy", 0),
@@ -103,23 +98,50 @@ class VariableClient:
         self._metadata = tuple(security.call_metadata())
         self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}
         self._connected = False  # set by the first call that succeeds
+        self._closed = threading.Event()  # wakes a retry's backoff on close()
 
     # -- Calls ----------------------------------------------------------------------
 
-    def _call(self, name, request, read=None, timeout=None, wait_for_ready=None):
+    def _call(self, name, request, read=None, timeout=None, wait_for_ready=None, retry=True):
+        """Runs one call, retried on UNAVAILABLE while `retry` and time allow.
+
+        `request` is a message, or a function returning a fresh request stream
+        (a stream is consumed by the attempt that sends it). The whole call,
+        retries included, ends within its deadline plus `GRACE_SECONDS`.
+        """
         deadline = self.options.rpc_timeout_seconds if timeout is None else timeout
         if wait_for_ready is None and not self._connected:
             wait_for_ready = True
             deadline += self.options.connect_timeout_seconds
         started = time.monotonic()
-        try:
-            response = self._calls[name](request, timeout=deadline, metadata=self._metadata,
-                                         wait_for_ready=wait_for_ready)
-            result = response if read is None else read(response)
-        except grpc.RpcError as error:
-            raise client_error(error, self.address, deadline, time.monotonic() - started) from None
+        backoff = RETRY_BACKOFF_SECONDS[0]
+        attempt = 1
+        while True:
+            remaining = started + deadline - time.monotonic()
+            try:
+                result = self._attempt(name, request, read, remaining, wait_for_ready)
+                break
+            except grpc.RpcError as error:
+                elapsed = time.monotonic() - started
+                if (retry and attempt < MAX_ATTEMPTS and _code(error) == grpc.StatusCode.UNAVAILABLE
+                        and elapsed + backoff < deadline and not self._closed.wait(backoff)):
+                    attempt += 1
+                    backoff = min(2 * backoff, RETRY_BACKOFF_SECONDS[1])
+                    continue
+                raise client_error(error, self.address, deadline, elapsed) from None
+            except CallCancelled:
+                raise ParameterServerUnavailableError(
+                    self.address, deadline,
+                    f"{name} had no answer {GRACE_SECONDS:g} s past its deadline and was cancelled",
+                    time.monotonic() - started) from None
         self._connected = True
         return result
+
+    def _attempt(self, name, request, read, remaining, wait_for_ready):
+        return watched_call(self._calls[name], METHODS[name].response_streaming,
+                            request() if callable(request) else request, read,
+                            timeout=max(remaining, 0.0), metadata=self._metadata,
+                            wait_for_ready=wait_for_ready)
 
     def _stream(self, header, arrays):
         return codec.encode_stream(header, [codec.byte_view(array) for array in arrays],
@@ -156,7 +178,7 @@ class VariableClient:
                 for meta, array in zip(response.variables, arrays)
             ]
 
-        return self._call("Create", self._stream(header, arrays), read)
+        return self._call("Create", lambda: self._stream(header, arrays), read)
 
     def pull(self, names, known_versions=None, out=None):
         """Returns the `VariableState` of each name; value None when its version is known.
@@ -240,7 +262,9 @@ class VariableClient:
         assignment_metas, assignment_arrays = _assignment_payload(assignments)
         header = pb.PushHeader(gradients=metas, assignments=assignment_metas,
                                update_id=update_id or "")
-        response = self._call("Push", self._stream(header, arrays + assignment_arrays))
+        # Without an update_id a repeat could apply the gradients twice: no retry.
+        response = self._call("Push", lambda: self._stream(header, arrays + assignment_arrays),
+                              retry=bool(update_id))
         return PushResult(dict(response.versions), tuple(response.rejected),
                           dict(response.staleness))
 
@@ -259,7 +283,8 @@ class VariableClient:
         check_update_id(update_id)
         metas, arrays = _assignment_payload(assignments)
         header = pb.PushHeader(assignments=metas, update_id=update_id or "")
-        return dict(self._call("Assign", self._stream(header, arrays)).versions)
+        return dict(self._call("Assign", lambda: self._stream(header, arrays),
+                               retry=bool(update_id)).versions)
 
     def lookup(self, requests):
         """Gathers rows (axis 0) of variables in one call.
@@ -288,7 +313,8 @@ class VariableClient:
                                         for result in header.results], "lookup response")
             return [(value, result.version) for value, result in zip(rows, response.results)]
 
-        return self._call("Lookup", self._stream(pb.LookupHeader(items=items), arrays), read)
+        return self._call("Lookup", lambda: self._stream(pb.LookupHeader(items=items), arrays),
+                          read)
 
     # -- Optimizers ------------------------------------------------------------------------
 
@@ -379,6 +405,7 @@ class VariableClient:
 
     def close(self):
         """Closes the channel; calls in flight are cancelled."""
+        self._closed.set()
         self._channel.close()
 
     def __enter__(self):
@@ -389,6 +416,10 @@ class VariableClient:
 
     def __repr__(self):
         return f"VariableClient(address={self.address!r})"
+
+
+def _code(error):
+    return error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
 
 
 def _variables_layout(header):
