@@ -104,14 +104,21 @@ class Child:
         self.ended_at = None
         self.stopped = False  # The set asked it to stop; its exit is not a failure.
         self.aborted = False  # It was sent SIGABRT for a stack dump.
+        self.num_restarts = 0  # Times it was started again after a failure.
+        self.restart_at = None  # While a restart is pending: when it is due.
 
     @property
     def running(self):
         return self.popen is not None and self.returncode is None
 
     @property
+    def alive(self):
+        """Running, or ended with a restart pending."""
+        return self.running or self.restart_at is not None
+
+    @property
     def failed(self):
-        return self.returncode not in (None, 0) and not self.stopped
+        return self.returncode not in (None, 0) and not self.stopped and self.restart_at is None
 
     def spawn(self, preexec, sinks, log_dir, on_exit):
         """Starts the process and its threads; `on_exit(child, returncode)` runs when it ends.
@@ -120,6 +127,7 @@ class Child:
             OSError: the command cannot be executed.
         """
         spec = self.spec
+        restarting = self.popen is not None
         self.popen = subprocess.Popen(
             spec.argv,
             env=child_environment(spec.env),
@@ -130,12 +138,19 @@ class Child:
             start_new_session=True,
             preexec_fn=preexec,
         )
+        if restarting:
+            self.log.reopen()
+            self.returncode = self.ended_at = self.restart_at = None
         log_file = None
         if log_dir is not None:
-            log_file = open(os.path.join(log_dir, f"{spec.name}.log"), "w", encoding="utf-8")
+            mode = "a" if restarting else "w"
+            log_file = open(os.path.join(log_dir, f"{spec.name}.log"), mode, encoding="utf-8")
         file_lock = threading.Lock()
         prefix = f"[{spec.name}] "
         pipes = ((output.STDOUT, self.popen.stdout), (output.STDERR, self.popen.stderr))
+        # A restarted child keeps the threads of its earlier runs (they may still
+        # be draining); `join` waits for them all.
+        first_new = len(self.threads)
         for stream, pipe in pipes:
             pump_args = (pipe, stream, self.log, sinks[stream], prefix, log_file, file_lock)
             self.threads.append(
@@ -151,18 +166,17 @@ class Child:
         self.threads.append(
             threading.Thread(
                 target=self._reap,
-                args=(on_exit, log_file),
+                args=(self.popen, on_exit, log_file, self.threads[first_new:]),
                 name=f"kdist-wait-{spec.name}",
                 daemon=True,
             )
         )
-        for thread in self.threads:
+        for thread in self.threads[first_new:]:
             thread.start()
 
-    def _reap(self, on_exit, log_file):
-        on_exit(self, self.popen.wait())
+    def _reap(self, popen, on_exit, log_file, pumps):
+        on_exit(self, popen.wait())
         if log_file is not None:
-            pumps = self.threads[:2]
             deadline = time.monotonic() + DRAIN_SECONDS
             for thread in pumps:
                 thread.join(max(0.0, deadline - time.monotonic()))

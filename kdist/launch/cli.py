@@ -8,13 +8,15 @@ the user's script as child processes, which do. `kdist server` (see
 """
 
 import argparse
+import dataclasses
+import os
 import signal
 import sys
 import threading
 
 from kdist import __version__
 from kdist.errors import InvalidArgumentError
-from kdist.launch import plans, server_cli
+from kdist.launch import job_secret, plans, server_cli
 from kdist.launch.cluster_file import parse_task
 from kdist.launch.processes import ProcessSet, ProcessSetTimeout
 from kdist.launch.spec import describe_returncode
@@ -27,7 +29,9 @@ KILL_AFTER_SECONDS = 10.0
 KEEP_LINES = 1000
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # As coreutils' `timeout`.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too (the terminal closed): the launcher then stops the job and removes
+# the job's secret file instead of dying on the spot.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 LAUNCH_EPILOG = """\
 examples:
@@ -53,6 +57,13 @@ environment of each process:
               the torchrun variables are removed.
   always:     KDIST_LAUNCHER=1, PYTHONUNBUFFERED=1, PYTHONFAULTHANDLER=1, and
               OMP_NUM_THREADS = cores / processes unless OMP_NUM_THREADS is set.
+  secret:     KDIST_SECRET_FILE=<path of a file holding a fresh per-job secret>;
+              the servers and clients of the job authenticate each other with it.
+              The file is readable by you only (0600, in a 0700 directory), is
+              never on a command line, and is removed when the launcher exits.
+              If KDIST_SECRET_FILE or KDIST_SECRET is already set (one secret for
+              a multi-host cluster), it is passed through and nothing is made;
+              --cluster with tasks on other hosts makes none either.
 
 output and exit:
   Each line a process writes is printed with its name: "[worker-1] loss: 0.3".
@@ -65,6 +76,16 @@ output and exit:
   Daemon jobs (default: ps with --workers, none with --cluster) serve until
   stopped: they get SIGTERM once every other process ended, and their exit codes
   then do not count.
+
+coordinator training (--chief with --ps):
+  The chief is the coordinator and the workers only serve. A worker that dies is
+  not the job's failure: the chief moves its work to the other workers, and the
+  launcher starts it again with the same TF_CONFIG and port after 1s, 2s, 4s...,
+  up to --max-worker-restarts times (default 3; 0 = a worker's death fails the
+  job). Each restart is logged: "[kdist] worker-1 (pid N) was killed by SIGKILL;
+  restarting it (1 of 3) in 1s". The chief decides the outcome: the exit code is
+  the chief's. A ps or chief that fails still fails the job at once, as does a
+  worker that fails again after its last restart.
 """
 
 
@@ -133,6 +154,13 @@ def _add_launch_arguments(parser):
         help="comma-separated jobs that serve until stopped (default: ps with --workers, ps and "
         "worker with --chief --ps, where the chief is the coordinator; none with --cluster)",
     )
+    local.add_argument(
+        "--max-worker-restarts",
+        type=_count(0),
+        metavar="N",
+        help="with --chief --ps (coordinator training): restart each worker that dies up to N "
+        f"times (default: {plans.DEFAULT_MAX_WORKER_RESTARTS}; 0: a worker's death fails the job)",
+    )
 
     job = parser.add_argument_group("the job")
     job.add_argument(
@@ -185,6 +213,31 @@ def main(argv=None):
 
 def run_launch(args, specs):
     """Starts `specs` as one job and waits for it; returns the launcher's exit code."""
+    try:
+        secret = _job_secret(args)
+    except OSError as error:
+        _say(f"could not write the job's secret file: {error}")
+        return 1
+    with secret:
+        specs = [dataclasses.replace(spec, env={**spec.env, **secret.env}) for spec in specs]
+        return _run_processes(args, specs)
+
+
+def _job_secret(args):
+    """The job's `JobSecret`: a fresh one, the user's passed through, or none for part of a cluster."""
+    if plans.runs_part_of_a_cluster(args) and not any(
+        os.environ.get(name)
+        for name in (job_secret.SECRET_FILE_VARIABLE, job_secret.SECRET_VARIABLE)
+    ):
+        _say(
+            f"the cluster has tasks on other hosts, so no secret is made here; set "
+            f"{job_secret.SECRET_FILE_VARIABLE} (a file with the cluster's secret) on every host"
+        )
+        return job_secret.JobSecret(None, None)
+    return job_secret.JobSecret.create(os.environ)
+
+
+def _run_processes(args, specs):
     processes = ProcessSet(
         specs,
         grace_seconds=args.grace,

@@ -54,6 +54,12 @@ class OutputLog:
             self._open_streams -= 1
             self._condition.notify_all()
 
+    def reopen(self):
+        """Records that the child was started again: two more pipes to read."""
+        with self._condition:
+            self._open_streams += len(STREAMS)
+            self._condition.notify_all()
+
     @property
     def closed(self):
         """True once both pipes reached end of file: no line can arrive any more."""

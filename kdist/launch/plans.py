@@ -12,13 +12,14 @@ Every check happens here, before anything starts; a mistake raises `UsageError`
 naming the command-line argument.
 """
 
+import dataclasses
 import os
 import sys
 
 from kdist.errors import InvalidArgumentError
 from kdist.launch import cluster_file, task_env
 from kdist.launch.ports import free_ports
-from kdist.launch.spec import ProcessSpec
+from kdist.launch.spec import ProcessSpec, RestartPolicy
 
 LOCAL_HOST = "127.0.0.1"
 # Jobs that serve until stopped in a local cluster (`--workers` mode).
@@ -26,6 +27,12 @@ DEFAULT_DAEMON_JOBS = ("ps",)
 # With a chief and parameter servers, the chief is the coordinator: workers
 # only serve the functions it schedules.
 COORDINATOR_DAEMON_JOBS = ("ps", "worker")
+# In coordinator training the chief moves a dead worker's closures to the
+# others and reconnects to the worker's address every second: a worker that is
+# started again on its old port rejoins. Restarts of each worker, by default,
+# and the delay before the first (then doubling: 1 s, 2 s, 4 s).
+DEFAULT_MAX_WORKER_RESTARTS = 3
+FIRST_RESTART_DELAY_SECONDS = 1.0
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 
@@ -84,6 +91,7 @@ def _check_mode_options(args, mode):
         "--chief": (args.chief, ("--workers", "--ps")),
         "--evaluator": (args.evaluator, ("--workers", "--ps")),
         "--daemon-jobs": (args.daemon_jobs is not None, ("--cluster", "--workers", "--ps")),
+        "--max-worker-restarts": (args.max_worker_restarts is not None, ("--workers", "--ps")),
     }
     for argument, (given, modes) in only.items():
         if given and mode not in modes:
@@ -163,16 +171,47 @@ def _local_cluster_specs(args, command):
         )
     cluster = task_env.local_cluster(args.workers, num_ps, args.chief, args.evaluator, LOCAL_HOST)
     coordinated = args.chief and num_ps > 0
-    daemon_jobs = _daemon_jobs(args, cluster, default=COORDINATOR_DAEMON_JOBS if coordinated else DEFAULT_DAEMON_JOBS)
+    daemon_jobs = _daemon_jobs(
+        args, cluster, default=COORDINATOR_DAEMON_JOBS if coordinated else DEFAULT_DAEMON_JOBS
+    )
+    worker_restart = _worker_restart(args, coordinated and "worker" in daemon_jobs)
     return [
         ProcessSpec(
             task_env.task_name(*task),
             command,
             task_env.tf_config_env(cluster, *task),
             daemon=task[0] in daemon_jobs,
+            restart=worker_restart if task[0] == "worker" else None,
         )
         for task in task_env.cluster_tasks(cluster)
     ]
+
+
+def _worker_restart(args, workers_only_serve):
+    """The `RestartPolicy` of the workers: only where the chief coordinates serving workers."""
+    if not workers_only_serve:
+        if args.max_worker_restarts:
+            raise UsageError(
+                "--max-worker-restarts",
+                "applies to coordinator training only, where workers only serve: --chief with "
+                "--ps K (and worker among --daemon-jobs). Elsewhere a worker trains itself and "
+                "its death fails the job.",
+            )
+        return None
+    num_restarts = args.max_worker_restarts
+    if num_restarts is None:
+        num_restarts = DEFAULT_MAX_WORKER_RESTARTS
+    if num_restarts == 0:
+        return None
+    return RestartPolicy(num_restarts, FIRST_RESTART_DELAY_SECONDS)
+
+
+def runs_part_of_a_cluster(args):
+    """True for `--cluster` launches that leave some of the cluster's tasks to other hosts."""
+    if args.cluster is None:
+        return False
+    cluster = cluster_file.load_cluster(args.cluster)
+    return len(set(args.task)) < len(task_env.cluster_tasks(cluster))
 
 
 def _daemon_jobs(args, cluster, default):
@@ -201,9 +240,4 @@ def _with_thread_limit(specs):
     except AttributeError:
         num_cpus = os.cpu_count() or 1
     threads = str(max(1, num_cpus // len(specs)))
-    return [
-        ProcessSpec(
-            spec.name, spec.argv, {**spec.env, OMP_NUM_THREADS: threads}, spec.daemon, spec.cwd
-        )
-        for spec in specs
-    ]
+    return [dataclasses.replace(spec, env={**spec.env, OMP_NUM_THREADS: threads}) for spec in specs]

@@ -12,9 +12,17 @@ Rules, in order of precedence:
 3. Daemons (servers): once every non-daemon process ended, SIGTERM, then SIGKILL
    after `kill_after_seconds`. These exits are not failures. A set with no
    non-daemon process runs until its daemons end.
+
+A process whose spec has a `RestartPolicy` and fails while restarts are left is
+started again after the policy's delay instead (the same command and
+environment); that failure is not the set's. A stop request, a failure, or the
+end of every non-daemon process cancels pending restarts (those exits then do
+not count). Once its restarts are used, its next failure is a failure (rule 2).
 """
 
 import signal
+
+from kdist.launch.spec import describe_returncode
 
 
 class StopPolicy:
@@ -26,12 +34,15 @@ class StopPolicy:
         grace_seconds: how long the others may run on after the first failure.
         kill_after_seconds: time between SIGABRT/SIGTERM and SIGKILL.
         announce: callable taking one message for the user.
+        respawn: callable taking a `child.Child` to start again; it may raise
+            OSError. Needed only for specs with a `RestartPolicy`.
     """
 
-    def __init__(self, grace_seconds, kill_after_seconds, announce):
+    def __init__(self, grace_seconds, kill_after_seconds, announce, respawn=None):
         self.grace_seconds = grace_seconds
         self.kill_after_seconds = kill_after_seconds
         self._announce = announce
+        self._respawn = respawn
         self._stop_request = None  # (reason, timeout)
         self._stop_sent_at = None
         self._failure_announced = False
@@ -50,21 +61,63 @@ class StopPolicy:
             return None
         return self._stop_sent_at + self._stop_request[1]
 
+    def on_exit(self, children, ended, now):
+        """Decides whether `ended` (a child that just exited) is restarted.
+
+        Sets `ended.restart_at` when it is (and says so); `apply` starts it
+        once that time has come.
+        """
+        restart = ended.spec.restart
+        if restart is None or ended.returncode == 0 or ended.stopped:
+            return
+        what = f"{ended.spec.name} (pid {ended.popen.pid}) {describe_returncode(ended.returncode)}"
+        if self._stop_request is not None or self._daemon_stop_at is not None:
+            return
+        if any(c.failed for c in children if c is not ended):
+            return
+        if ended.num_restarts >= restart.max_restarts:
+            if restart.max_restarts:
+                self._announce(f"{what}; all {restart.max_restarts} restarts used, so it fails")
+            return
+        number = ended.num_restarts + 1
+        delay = restart.delay_seconds(number)
+        ended.restart_at = now + delay
+        self._announce(f"{what}; restarting it ({number} of {restart.max_restarts}) in {delay:g}s")
+
     def apply(self, children, now):
-        """Sends the signals that are due at `now` (a `time.monotonic()` value).
+        """Sends the signals, and makes the restarts, that are due at `now` (`time.monotonic()`).
 
         Args:
             children: every `child.Child` of the set.
 
         Returns:
-            When the next signal will be due, or None if nothing is pending.
+            When the next signal or restart will be due, or None if nothing is pending.
         """
         if self._stop_request is not None:
+            _cancel_restarts(children)
             return self._apply_stop(children, now)
-        survivors = [c for c in children if c.running and not c.spec.daemon]
-        wake_times = [self._apply_fail_fast(children, survivors, now)]
+        if any(c.failed for c in children):
+            _cancel_restarts(children)
+        wake_times = [self._apply_restarts(children, now)]
+        survivors = [c for c in children if c.alive and not c.spec.daemon]
+        wake_times.append(self._apply_fail_fast(children, survivors, now))
         wake_times.append(self._apply_daemon_stop(children, survivors, now))
         return min((t for t in wake_times if t is not None), default=None)
+
+    def _apply_restarts(self, children, now):
+        pending = [c for c in children if c.restart_at is not None]
+        for current in pending:
+            if now < current.restart_at:
+                continue
+            current.num_restarts += 1
+            try:
+                self._respawn(current)
+            except OSError as error:
+                current.restart_at = None  # Its last exit is now a failure.
+                self._announce(f"{current.spec.name} could not be restarted ({error})")
+                continue
+            self._announce(f"restarted {current.spec.name} (pid {current.popen.pid})")
+        return min((c.restart_at for c in children if c.restart_at is not None), default=None)
 
     def _apply_stop(self, children, now):
         if self._stop_sent_at is None:
@@ -95,8 +148,10 @@ class StopPolicy:
         return _kill_when_due(survivors, self._abort_sent_at + self.kill_after_seconds, now)
 
     def _apply_daemon_stop(self, children, survivors, now):
-        daemons = [c for c in children if c.running and c.spec.daemon]
         has_non_daemons = any(not c.spec.daemon for c in children)
+        if has_non_daemons and not survivors:
+            _cancel_restarts(children)
+        daemons = [c for c in children if c.running and c.spec.daemon]
         if has_non_daemons and daemons and not survivors and self._daemon_stop_at is None:
             self._daemon_stop_at = now
             names = ", ".join(c.spec.name for c in daemons)
@@ -119,6 +174,14 @@ def signal_all(children, sig, stopped=False, aborted=False):
             current.stopped = current.stopped or stopped
             current.aborted = current.aborted or aborted
             current.signal_group(sig)
+
+
+def _cancel_restarts(children):
+    """Drops pending restarts; those children's last exits then do not count as failures."""
+    for current in children:
+        if current.restart_at is not None:
+            current.restart_at = None
+            current.stopped = True
 
 
 def _kill_when_due(children, due, now):

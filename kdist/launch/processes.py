@@ -3,7 +3,8 @@
 The stop policy (`kdist.launch.policy`), applied by `wait()` and `poll()`: the
 first failure's exit code is the set's; after it the other processes get
 `grace_seconds`, then their stacks are dumped (SIGABRT + faulthandler) and they
-are killed; daemons (parameter servers) are stopped once the others ended.
+are killed; daemons (parameter servers) are stopped once the others ended; a
+spec with a `RestartPolicy` is restarted instead of failing while it has restarts.
 `wait(timeout)` past its deadline dumps the stacks of everything still running,
 kills it and raises `ProcessSetTimeout` naming it.
 
@@ -54,7 +55,8 @@ class ProcessSet:
 
     Thread-safe: every method may be called from any thread; `request_stop` and
     `kill_all` may also be called from a signal handler in the main thread.
-    Call `start` from a thread that outlives the children (see `child.make_preexec`).
+    Call `start`, and `wait`/`poll` (which make restarts), from a thread that
+    outlives the children (see `child.make_preexec`).
 
     Args:
         specs: `ProcessSpec`s (more can be `add`ed before `start`).
@@ -113,7 +115,10 @@ class ProcessSet:
         self._children = {}
         self._started = False
         self._exits = 0
-        self._policy = StopPolicy(self.grace_seconds, self.kill_after_seconds, self._announce)
+        self._preexec = None
+        self._policy = StopPolicy(
+            self.grace_seconds, self.kill_after_seconds, self._announce, self._respawn
+        )
         for spec in specs:
             self.add(spec)
 
@@ -156,18 +161,21 @@ class ProcessSet:
             if not self._children:
                 raise ProcessSetStateError("ProcessSet.start() needs at least one ProcessSpec.")
             self._started = True
-            preexec = child.make_preexec(self._core_dumps)
+            self._preexec = child.make_preexec(self._core_dumps)
             if self._log_dir is not None:
                 os.makedirs(self._log_dir, exist_ok=True)
             try:
                 for current in self._children.values():
-                    current.spawn(preexec, self._sinks, self._log_dir, self._on_exit)
+                    self._respawn(current)
             except OSError as error:
                 failed_name, failure = current.spec.name, error
             else:
                 return
         self.stop_all(f"{failed_name} could not start ({failure})")
         raise failure
+
+    def _respawn(self, current):
+        current.spawn(self._preexec, self._sinks, self._log_dir, self._on_exit)
 
     def _on_exit(self, current, returncode):
         """Runs in the child's waiter thread once the process ended."""
@@ -176,6 +184,7 @@ class ProcessSet:
             current.exit_order = self._exits
             current.ended_at = time.monotonic()
             self._exits += 1
+            self._policy.on_exit(list(self._children.values()), current, current.ended_at)
             if current.failed and not current.aborted:
                 what = describe_returncode(returncode)
                 self._announce(f"{current.spec.name} (pid {current.popen.pid}) {what}")
@@ -250,7 +259,7 @@ class ProcessSet:
         with self._condition:
             self._require_started()
             self._apply_policy(time.monotonic())
-            if any(c.running for c in self._children.values()):
+            if any(c.alive for c in self._children.values()):
                 return None
         return self.exit_code()
 
@@ -273,7 +282,7 @@ class ProcessSet:
             while True:
                 now = time.monotonic()
                 wake_at = self._apply_policy(now)
-                running = [name for name, c in self._children.items() if c.running]
+                running = [name for name, c in self._children.items() if c.alive]
                 if not running or (deadline is not None and now >= deadline):
                     break
                 wake_times = [t for t in (wake_at, deadline) if t is not None]

@@ -1,9 +1,53 @@
-"""`ProcessSpec`, what one process of a `ProcessSet` runs, and how its exit is described."""
+"""`ProcessSpec`, what one process of a `ProcessSet` runs, its `RestartPolicy`, and how its
+exit is described."""
 
 import dataclasses
 import signal
 
 from kdist.errors import InvalidArgumentError
+
+
+# Backoff before a restart: first_delay_seconds, then doubling, at most this.
+MAX_RESTART_DELAY_SECONDS = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """How often, and after how long, a `ProcessSet` restarts a process that failed.
+
+    A failure that the policy restarts is not the set's failure. Once
+    `max_restarts` are used, the next failure counts as one (the set's fail-fast
+    rule applies). The delay before restart number k (1-based) is
+    `first_delay_seconds * 2 ** (k - 1)`, at most `MAX_RESTART_DELAY_SECONDS`.
+    The restarted process gets the same command and environment.
+
+    Args:
+        max_restarts: restarts allowed over the life of the set (0: none).
+        first_delay_seconds: the delay before the first restart.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a negative count or delay.
+
+    Example:
+        >>> RestartPolicy(max_restarts=3, first_delay_seconds=1.0).delay_seconds(3)
+        4.0
+    """
+
+    max_restarts: int = 3
+    first_delay_seconds: float = 1.0
+
+    def __post_init__(self):
+        if self.max_restarts < 0 or not self.first_delay_seconds >= 0:
+            raise InvalidArgumentError(
+                "max_restarts and first_delay_seconds must be >= 0. Received: "
+                f"max_restarts={self.max_restarts}, "
+                f"first_delay_seconds={self.first_delay_seconds}."
+            )
+
+    def delay_seconds(self, restart_number):
+        """Seconds to wait before restart number `restart_number` (1 for the first)."""
+        delay = self.first_delay_seconds * 2.0 ** (restart_number - 1)
+        return min(delay, MAX_RESTART_DELAY_SECONDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +60,8 @@ class ProcessSpec:
         env: variables set on top of `os.environ`; a None value removes one.
         daemon: True for processes that serve until stopped (parameter servers).
         cwd: working directory, or None for the parent's.
+        restart: a `RestartPolicy` to restart it when it fails, or None (a
+            failure is the set's failure).
 
     Raises:
         kdist.errors.InvalidArgumentError: empty or spaced name, empty argv.
@@ -30,6 +76,7 @@ class ProcessSpec:
     env: dict = dataclasses.field(default_factory=dict)
     daemon: bool = False
     cwd: str | None = None
+    restart: RestartPolicy | None = None
 
     def __post_init__(self):
         name = self.name
