@@ -14,7 +14,9 @@ Data: arrays, a `dataset_fn` (a generator function included), a
 `kdist.keras.coordinator_data` for how each is shared by the workers.
 
 Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
-parameter servers' state (weights and optimizer slots); the chief's
+parameter servers' state (weights and optimizer slots), each file written to a
+temporary file, fsynced and renamed into place (`kdist.keras.atomic_save`,
+installed by `kdist.keras.ps_training.scoped_call`); the chief's
 `optimizer.iterations` counts the steps the closures applied. A tqdm bar shows
 steps, steps/s, and how many closures were retried after worker failures.
 """

@@ -8,8 +8,9 @@
   every step that each still has data: when one runs out, all stop the epoch.
 - Side effects: only the chief (rank 0) shows a progress bar and runs
   `CSVLogger` and `TensorBoard`. `model.save`/`save_weights` are collectives:
-  the chief writes to a temporary file and renames it into place, then every
-  rank continues. `BackupAndRestore` saves the same way and every rank restores.
+  the chief writes to a temporary file, fsyncs it and renames it into place
+  (`kdist.atomic_files`), then every rank continues. `BackupAndRestore` saves
+  the same way and every rank restores.
 - Decisions made from logs (`EarlyStopping`, `ReduceLROnPlateau`, best-only
   checkpoints) agree on every rank because the logs are bitwise identical.
 """
@@ -26,8 +27,9 @@ import keras
 import numpy as np
 import torch
 
+from kdist import atomic_files
 from kdist.errors import KdistError
-from kdist.keras import _compat
+from kdist.keras import _compat, atomic_save
 
 _active = threading.local()
 
@@ -181,35 +183,18 @@ def run_on_chief(collectives, write, name):
 
 
 def atomic_write(path, write_to):
-    """Calls `write_to(temporary_path)` then renames the file onto `path` (same directory).
+    """Calls `write_to(temporary_path)` then renames the file onto `path`, durably (`kdist.atomic_files`).
 
     A process killed mid-write leaves at most a stray temporary file; `path`
     holds either the previous complete file or the new one. Remote paths
     (`scheme://...`) are written directly.
     """
-    path = os.fspath(path)
-    if "://" in path:
-        write_to(path)
-        return
-    directory, name = os.path.split(os.path.abspath(path))
-    # The suffix stays last: Keras picks the format from it (.keras, .weights.h5).
-    temporary = os.path.join(directory, f".kdist-tmp-{os.getpid()}-{name}")
-    try:
-        write_to(temporary)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    return atomic_files.write_via(path, write_to)
 
 
 def collective_save(strategy, save, model, filepath, args, kwargs):
     """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait."""
-    kwargs = dict(kwargs)
-    overwrite = kwargs.pop("overwrite", True)
-    if not overwrite and os.path.exists(os.fspath(filepath)):
-        write = lambda: save(model, filepath, *args, overwrite=False, **kwargs)  # noqa: E731 - Keras asks the user
-    else:
-        write = lambda: atomic_write(filepath, lambda tmp: save(model, tmp, *args, overwrite=True, **kwargs))  # noqa: E731
+    write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
     run_on_chief(collectives_of(strategy), write, f"save({os.fspath(filepath)})")
 
 
@@ -225,17 +210,9 @@ def _make_backup_collective(callback, strategy):
 
     def write():
         model = callback.model
-        os.makedirs(paths.backup_dir, exist_ok=True)
-        if callback.double_checkpoint:
-            for current, previous in ((paths.weights, paths.previous_weights), (paths.metadata, paths.previous_metadata)):
-                if os.path.exists(current):
-                    atomic_write(previous, lambda tmp, current=current: _copy(current, tmp))
         # The class's save_weights: the instance's is the collective version.
-        atomic_write(paths.weights, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))
-        metadata = dict(_compat.backup_metadata(callback))
-        metadata[_RANDOM_STATE_KEY] = _encode_random_state()
-        metadata = json.dumps(metadata)
-        atomic_write(paths.metadata, lambda tmp: _write_text(tmp, metadata))
+        save_weights = lambda path: atomic_write(path, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))  # noqa: E731
+        atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: _encode_random_state()})
 
     def _save_model():
         run_on_chief(collectives, write, "BackupAndRestore")
@@ -282,13 +259,3 @@ def _restore_random_state(saved):
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
     torch_state = np.frombuffer(base64.b64decode(saved["torch"]), dtype=np.uint8).copy()
     torch.set_rng_state(torch.from_numpy(torch_state))
-
-
-def _copy(source, target):
-    with open(source, "rb") as reader, open(target, "wb") as writer:
-        writer.write(reader.read())
-
-
-def _write_text(path, text):
-    with open(path, "w") as writer:
-        writer.write(text)

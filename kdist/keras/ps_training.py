@@ -16,7 +16,7 @@ What changes for a model attached to a parameter-server strategy:
 - `fit` ends, and `save`/`save_weights` start, by reading the servers' state
   (weights and optimizer slots) into the local model, so the file written is
   the parameter servers' current state and loads in plain Keras. Only the
-  chief writes; other workers skip the write with a warning.
+  chief writes (others skip with a warning), atomically, `BackupAndRestore` too.
 
 Called from `kdist.keras.hooks`; the only Keras internals used come from
 `kdist.keras._compat`.
@@ -30,7 +30,7 @@ import keras
 import torch
 
 from kdist.errors import UnsupportedError
-from kdist.keras import _compat, gradient_merge, ps_embeddings
+from kdist.keras import _compat, atomic_save, gradient_merge, ps_embeddings
 from kdist.keras.ps_optimizer_config import server_optimizer_config
 
 @dataclasses.dataclass
@@ -345,6 +345,7 @@ def scoped_call(method, model, name, args, kwargs):
     """Runs `model.<name>` (already inside the strategy's scope) against the parameter servers."""
     session = session_of(model)
     strategy = session.strategy
+    atomic_save.make_backups_atomic(method, model, name, args, kwargs)
     if name in ("fit", "evaluate"):
         from kdist.keras import coordinator_fit, coordinator_runtime
 
@@ -387,7 +388,7 @@ def _scoped_local_call(method, model, session, name, args, kwargs):
             )
             return None
         session.read_back()
-        return method(model, *args, **kwargs)
+        return atomic_save.save(method, model, args, kwargs)
     if name == "load_weights":
         # The chief's optimizer applies nothing itself, so it may be unbuilt;
         # Keras would then skip its saved state (iterations included).

@@ -8,8 +8,9 @@
   (`ModelCheckpoint` writes `*.keras` or `*.weights.h5`; `BackupAndRestore` rewrites
   `latest.weights.h5`). Its identity is `(path, mtime_ns, size)`: a file rewritten at the
   same path is a new checkpoint.
-- **Stable**: a checkpoint whose identity did not change between two polls. The chief
-  may write files in place (not atomically), so only stable files are loaded.
+- **Stable**: a checkpoint whose identity did not change between two polls. kdist's
+  chief replaces files atomically (`kdist.atomic_files`), but other writers (plain
+  Keras, user code) may write in place, so only stable files are loaded.
 - **Evaluation record**: what one evaluation produced; also written beside the
   checkpoint as `<checkpoint>.eval.json`.
 """
@@ -19,13 +20,13 @@ import json
 import logging
 import numbers
 import os
-import tempfile
 import threading
 import time
 import warnings
 
 import keras
 
+from kdist import atomic_files
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError
 
@@ -37,9 +38,8 @@ MAX_LOAD_ATTEMPTS = 3
 
 EVALUATION_SUFFIX = ".eval.json"
 
-# Names starting with "." are temporary files: kdist's chief writes
-# `.kdist-tmp-<pid>-<name>` and renames it into place, and this module writes
-# `.<name>.*.eval.json.tmp` the same way.
+# Names starting with "." are temporary files: kdist's chief and this module
+# write `.kdist-tmp-<pid>-<random>-<name>` and rename it into place (`kdist.atomic_files`).
 _HIDDEN_PREFIX = "."
 
 
@@ -347,15 +347,7 @@ def _is_data_function(data):
 
 
 def _write_json_atomically(path, document):
-    directory, name = os.path.split(path)
-    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f"{_HIDDEN_PREFIX}{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(document, file, indent=2)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    atomic_files.write_text(path, json.dumps(document, indent=2))
 
 
 def _to_json(value):

@@ -9,13 +9,16 @@ Layout of a checkpoint directory:
   as their int16 bit patterns (`.npy` has no bfloat16); the manifest keeps
   the real dtype.
 
-`save` writes into a temporary directory next to the target and renames it
-into place, so a reader never sees a half-written checkpoint. `restore`
+`save` writes into a temporary directory next to the target, fsyncs every
+file and the directory, renames it into place and fsyncs the parent
+(`kdist.atomic_files`), so a reader never sees a half-written checkpoint and
+a failed save (a full disk) leaves the previous one as it was. `restore`
 reads and checks everything before it changes anything (all-or-nothing); it
 replaces the variables in the checkpoint and leaves others alone. Updates
 that race with a restore may be lost: restore before training starts.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -24,14 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
+from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
 from kdist.ps import codec
 from kdist.ps.optimizer_host import VariableOptimizer
-from kdist.ps.status import NotFoundError
+from kdist.ps.status import NotFoundError, ResourceExhaustedError
 from kdist.ps.variable_entry import VariableEntry, make_variable
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "kdist.ps.checkpoint/1"
+# A write refused for lack of room (disk, quota, file size limit): RESOURCE_EXHAUSTED.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def save(store, directory):
@@ -43,6 +49,9 @@ def save(store, directory):
     Raises:
         kdist.errors.InvalidArgumentError: an empty directory name, or one that
             cannot be written.
+        kdist.ps.status.ResourceExhaustedError: no room left to write it (a
+            full disk or quota, a file size limit). The previous checkpoint at
+            `directory`, if any, is unchanged.
     """
     target = _directory(directory)
     _check_replaceable(target)
@@ -69,13 +78,28 @@ def save(store, directory):
         temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             for name, array in arrays.items():
-                np.save(temporary / name, _storable(array), allow_pickle=False)
+                with open(temporary / name, "wb") as writer:
+                    np.save(writer, _storable(array), allow_pickle=False)
+                    _flush_to_disk(writer)
             manifest = json.dumps({"format": FORMAT, "variables": records}, indent=1)
-            (temporary / MANIFEST_NAME).write_text(manifest, encoding="utf-8")
+            with open(temporary / MANIFEST_NAME, "w", encoding="utf-8") as writer:
+                writer.write(manifest)
+                _flush_to_disk(writer)
+            atomic_files.sync_directory(temporary)
             _replace_directory(temporary, target)
         finally:
             shutil.rmtree(temporary, ignore_errors=True)
-    except (OSError, ValueError) as error:
+    except OSError as error:
+        if error.errno in _DISK_FULL:
+            raise ResourceExhaustedError(
+                f"The server's disk has no room for the checkpoint. Received: "
+                f"directory={str(directory)!r}: {error.strerror}. The previous checkpoint "
+                "there, if any, is unchanged. Free space, or save to another directory."
+            ) from None
+        raise InvalidArgumentError(
+            f"Cannot write the checkpoint. Received: directory={str(directory)!r}: {error}."
+        ) from None
+    except ValueError as error:
         raise InvalidArgumentError(
             f"Cannot write the checkpoint. Received: directory={str(directory)!r}: {error}."
         ) from None
@@ -155,9 +179,16 @@ def _replace_directory(temporary, target):
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
         os.replace(target, old / "checkpoint")
         os.replace(temporary, target)
+        atomic_files.sync_directory(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(temporary, target)
+        atomic_files.sync_directory(target.parent)
+
+
+def _flush_to_disk(writer):
+    writer.flush()
+    os.fsync(writer.fileno())
 
 
 def _storable(array):
