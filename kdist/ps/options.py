@@ -26,6 +26,18 @@ DEFAULT_CONNECT_TIMEOUT_SECONDS = 60.0
 # Each streaming call holds one server thread while it runs: enough for a
 # dozen workers pushing and pulling at once on one parameter server.
 DEFAULT_MAX_WORKERS = 16
+# Threads kept free of streaming calls (at most half the pool), so that unary
+# calls (`Health`, `Stats`, `ConfigureOptimizer`, `Save`) always find one even
+# when every stream slot is taken by a client that stalls.
+RESERVED_UNARY_THREADS = 4
+# One channel (one `context.peer()`) may hold this many streams at once: a
+# worker's client runs a few calls at a time, and one greedy or stalled
+# channel then cannot take every stream slot of the server.
+DEFAULT_MAX_STREAMS_PER_PEER = 8
+# A stream that neither delivers a request message nor accepts a response
+# message for this long is cancelled: a healthy client sends its next 1 MiB
+# chunk within milliseconds, and a stalled one must not hold a thread forever.
+DEFAULT_STREAM_IDLE_SECONDS = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +58,22 @@ class ServiceOptions:
             than this many updates behind the server's is rejected (not
             applied, counted, listed in `PushResult.rejected`). None: every
             gradient is applied.
-        max_workers: server side: threads serving calls.
+        max_workers: server side: threads serving calls; at least 2.
+        max_concurrent_streams: server side: streaming calls (every method
+            but the unary ones: `Health`, `Stats`, `ConfigureOptimizer`,
+            `Save`, `Restore`) served at once; more are refused at once with
+            `RESOURCE_EXHAUSTED`. Must be below `max_workers`, so that unary
+            calls always find a thread. None: `max_workers` minus
+            `RESERVED_UNARY_THREADS` (at most half of them).
+        max_streams_per_peer: server side: streaming calls one peer (one
+            client channel) may have open at once; more are refused with
+            `RESOURCE_EXHAUSTED`. Capped at `max_concurrent_streams`.
+        stream_idle_seconds: server side: a streaming call that waits this
+            long for its client (no request message arrives, or a response
+            message is not taken) is cancelled, freeing its thread.
+        allow_non_finite_gradients: server side: apply gradients that hold
+            NaN or infinity. False (the default): such a push is refused with
+            `INVALID_ARGUMENT` naming the variable, and nothing changes.
 
     Raises:
         kdist.errors.InvalidArgumentError: a value of the wrong type or range.
@@ -64,6 +91,10 @@ class ServiceOptions:
     connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS
     max_staleness: int | None = None
     max_workers: int = DEFAULT_MAX_WORKERS
+    max_concurrent_streams: int | None = None
+    max_streams_per_peer: int = DEFAULT_MAX_STREAMS_PER_PEER
+    stream_idle_seconds: float = DEFAULT_STREAM_IDLE_SECONDS
+    allow_non_finite_gradients: bool = False
 
     def __post_init__(self):
         _check_int("chunk_bytes", self.chunk_bytes, minimum=1)
@@ -84,7 +115,35 @@ class ServiceOptions:
         _check_seconds("connect_timeout_seconds", self.connect_timeout_seconds, allow_zero=True)
         if self.max_staleness is not None:
             _check_int("max_staleness", self.max_staleness, minimum=0)
-        _check_int("max_workers", self.max_workers, minimum=1)
+        _check_int("max_workers", self.max_workers, minimum=2)
+        if self.max_concurrent_streams is not None:
+            _check_int("max_concurrent_streams", self.max_concurrent_streams, minimum=1)
+            if self.max_concurrent_streams >= self.max_workers:
+                raise InvalidArgumentError(
+                    "ServiceOptions.max_concurrent_streams must be below max_workers, so "
+                    "that unary calls such as Health always find a thread. Received: "
+                    f"max_concurrent_streams={self.max_concurrent_streams}, max_workers="
+                    f"{self.max_workers}. Lower it or raise max_workers."
+                )
+        _check_int("max_streams_per_peer", self.max_streams_per_peer, minimum=1)
+        _check_seconds("stream_idle_seconds", self.stream_idle_seconds)
+        if not isinstance(self.allow_non_finite_gradients, bool):
+            raise InvalidArgumentError(
+                "ServiceOptions.allow_non_finite_gradients must be a bool. Received: "
+                f"allow_non_finite_gradients={self.allow_non_finite_gradients!r}."
+            )
+
+    @property
+    def stream_limit(self):
+        """Streaming calls served at once (`max_concurrent_streams` resolved)."""
+        if self.max_concurrent_streams is not None:
+            return self.max_concurrent_streams
+        return self.max_workers - min(RESERVED_UNARY_THREADS, self.max_workers // 2)
+
+    @property
+    def peer_stream_limit(self):
+        """Streaming calls one peer may have open at once (at most `stream_limit`)."""
+        return min(self.max_streams_per_peer, self.stream_limit)
 
     def grpc_options(self):
         """Returns the message-size options for a gRPC server or channel."""

@@ -1,12 +1,17 @@
 """The gRPC servicer: decodes requests, calls the store, encodes responses.
 
 Every method runs inside `_serve`, the one place where domain errors become
-status codes (`kdist.ps.status.status_code`) and where requests are counted.
+status codes (`kdist.ps.status.status_code`), where error details are capped
+(`cap_detail`: a detail never echoes a whole request), where requests are
+counted, and where streaming calls are admitted to a bounded slot and watched
+for an idle client (`kdist.ps.stream_guard`). A call its client cancelled
+(or the guard cancelled) logs one line, not a traceback.
 A request is validated in full — header first, before its payload is stored,
 then its content — before anything changes; a failed request changes nothing
 and the server keeps serving.
 """
 
+import collections
 import itertools
 import logging
 import os
@@ -19,8 +24,10 @@ from kdist.errors import InvalidArgumentError
 from kdist.ps import checkpoint, codec
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.methods import METHODS, SERVICE_NAME
-from kdist.ps.status import FailedPreconditionError, status_code
+from kdist.ps.options import ServiceOptions
+from kdist.ps.status import FailedPreconditionError, cap_detail, name_list, status_code
 from kdist.ps.store import GradientSpec
+from kdist.ps.stream_guard import StreamGuard
 from kdist.ps.variable_entry import locked
 from kdist.ps.values import check_name, check_update_id
 
@@ -33,38 +40,71 @@ class VariableServicer:
     Args:
         store: the `kdist.ps.store.VariableStore`.
         chunk_bytes: payload bytes per response message.
+        options: the server's `ServiceOptions`, for the stream bounds and the
+            idle timeout (`StreamGuard.from_options`). None: the defaults.
     """
 
-    def __init__(self, store, chunk_bytes):
+    def __init__(self, store, chunk_bytes, options=None):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.started = time.monotonic()
+        self.guard = StreamGuard.from_options(ServiceOptions() if options is None else options)
         self._buffers = codec.BufferPool()
 
     def handlers(self):
         """Returns the `grpc.GenericRpcHandler` of every method."""
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: method.handler(self._serve(method.key, getattr(self, method.key)))
+            name: method.handler(self._serve(method, getattr(self, method.key)))
             for name, method in METHODS.items()
         })
 
-    def _serve(self, key, behavior):
+    def _serve(self, method, behavior):
+        key = method.key
+        streaming = method.request_streaming or method.response_streaming
+
         def serve(request, context):
             self.store.count_request(key)
+            call = self._admit(method, context) if streaming else None
+            if call is not None and method.request_streaming:
+                request = self.guard.requests(call, request)
+            handed_over = False  # the response stream releases the call
             try:
                 result = behavior(request)
                 # Everything that can fail runs inside the try, so errors map to
                 # statuses: streamed responses are either built in full (a list,
                 # which gRPC wants as an iterator) or, for variable values, only
                 # sliced into messages after the try (_variables_response).
-                return iter(result) if isinstance(result, list) else result
+                result = iter(result) if isinstance(result, list) else result
+                if call is not None and method.response_streaming:
+                    result, handed_over = self.guard.responses(call, result), True
+                return result
             except Exception as error:  # noqa: BLE001 — mapped to a status, never fatal
+                if not context.is_active():
+                    self._log_ended(method, context, call)
+                    context.abort(grpc.StatusCode.CANCELLED, "The call was cancelled.")
                 code = status_code(error)
                 if code == grpc.StatusCode.INTERNAL:
                     logger.exception("%s failed unexpectedly", key)
-                context.abort(code, f"{type(error).__name__}: {error}")
+                context.abort(code, cap_detail(f"{type(error).__name__}: {error}"))
+            finally:
+                if call is not None and not handed_over:
+                    self.guard.release(call)
 
         return serve
+
+    def _admit(self, method, context):
+        try:
+            return self.guard.admit(method.name, context)
+        except Exception as error:  # noqa: BLE001 — ResourceExhaustedError, refused
+            context.abort(status_code(error), cap_detail(f"{type(error).__name__}: {error}"))
+
+    @staticmethod
+    def _log_ended(method, context, call):
+        # One line: a client that cancels or times out mid-stream is routine,
+        # and a stream the guard cancelled was logged by the guard already.
+        if call is None or not call.idle_cancelled:
+            logger.info("%s from %s ended: the client cancelled it or its deadline passed.",
+                        method.name, context.peer())
 
     # -- Variables ----------------------------------------------------------------
 
@@ -85,8 +125,11 @@ class VariableServicer:
         for name in names:
             check_name(name)
         if len(set(names)) != len(names):
+            repeated = sorted(name for name, count in collections.Counter(names).items()
+                              if count > 1)
             raise InvalidArgumentError(
-                f"A create request names each variable once. Received: {names}."
+                f"A create request names each variable once. Received: {name_list(repeated)} "
+                "more than once."
             )
         return [codec.parse_meta(item.value, f"variable {item.name!r}") for item in header.items]
 
@@ -214,8 +257,8 @@ class VariableServicer:
             unconfigured = [entry.name for entry in entries if entry.optimizer is None]
             if unconfigured:
                 raise FailedPreconditionError(
-                    f"Variables {unconfigured} have no optimizer; call configure_optimizer "
-                    "first."
+                    f"Variables {name_list(unconfigured)} have no optimizer; call "
+                    "configure_optimizer first."
                 )
             states = [(entry.name, *entry.optimizer.state()) for entry in entries]
         header = pb.OptimizerStateHeader(states=[

@@ -6,6 +6,8 @@ maps a status code a client received to the kdist error it raises. Nothing
 classifies failures by message text.
 """
 
+import errno
+
 import grpc
 
 from kdist.errors import (
@@ -46,6 +48,16 @@ _STATUS_CODES = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
+# OSError numbers that mean the disk (or the process's file-size limit) is
+# full: the request was fine, the server lacks room.
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# Error details travel in gRPC trailing metadata, which a client refuses past
+# 16 KiB ("Stream removed"); a detail is cut to this many UTF-8 bytes, and a
+# list of names to this many names.
+MAX_DETAIL_BYTES = 2048
+MAX_LISTED_NAMES = 10
+_MAX_LISTED_NAME_CHARS = 80
+
 # Codes after which the same call may succeed: the server is (re)starting,
 # overloaded, or the network dropped.
 _UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -59,10 +71,60 @@ def status_code(error):
     >>> status_code(NotFoundError("no variable 'w'"))
     <StatusCode.NOT_FOUND: (5, 'not found')>
     """
+    if disk_full(error):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     for error_class, code in _STATUS_CODES:
         if isinstance(error, error_class):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def disk_full(error):
+    """True when `error`, or an error it was raised from or during, is a full disk.
+
+    A full disk (`ENOSPC`), quota (`EDQUOT`) or file-size limit (`EFBIG`) is
+    the server's shortage, `RESOURCE_EXHAUSTED`, even when the code that met
+    it re-raised it as another error (`raise ... from None` still records it
+    as `__context__`).
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def name_list(names, limit=MAX_LISTED_NAMES):
+    """Returns `names` for an error message: at most `limit` of them, each cut short.
+
+    Example:
+
+    >>> name_list([f"w{index}" for index in range(12)], limit=2)
+    "['w0', 'w1'] and 10 more"
+    """
+    names = list(names)
+    shown = [name if len(name) <= _MAX_LISTED_NAME_CHARS
+             else f"{name[:_MAX_LISTED_NAME_CHARS]}...({len(name)} characters)"
+             for name in names[:limit]]
+    text = repr(shown)
+    return text if len(names) <= limit else f"{text} and {len(names) - limit} more"
+
+
+def cap_detail(text, max_bytes=MAX_DETAIL_BYTES):
+    """Returns `text` cut to `max_bytes` UTF-8 bytes, saying how much was cut.
+
+    Example:
+
+    >>> cap_detail("x" * 5000, max_bytes=10)
+    'xxxxxxxxxx... (4990 more bytes)'
+    """
+    data = text.encode("utf-8", "replace")
+    if len(data) <= max_bytes:
+        return text
+    return (f"{data[:max_bytes].decode('utf-8', 'ignore')}... "
+            f"({len(data) - max_bytes} more bytes)")
 
 
 def client_error(rpc_error, address, deadline_seconds, elapsed_seconds=None):

@@ -24,18 +24,13 @@ import torch
 from kdist.errors import InvalidArgumentError
 from kdist.ps import codec
 from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
-from kdist.ps.status import FailedPreconditionError, NotFoundError
+from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list
+from kdist.ps.update_ids import MAX_REMEMBERED_UPDATES, AppliedUpdateIds
 from kdist.ps.variable_entry import VariableEntry, locked, make_variable
 from kdist.ps.values import ServerStats, StalenessStats, VariableStats
 
-# A server remembers the update ids of this many applied pushes, forgetting the
-# oldest first. A re-run closure re-pushes within seconds or minutes of the
-# first run, long before that many later pushes evict its ids; an entry costs
-# well under a kilobyte (an id of at most 256 characters and a PushResult).
-MAX_REMEMBERED_UPDATES = 65_536
-# How long a push waits for another push with the same update id to finish
-# applying: an in-memory apply, milliseconds normally.
-UPDATE_ID_WAIT_SECONDS = 60.0
+__all__ = ["MAX_REMEMBERED_UPDATES", "AppliedUpdateIds", "GradientSpec", "UpdatePlan",
+           "VariableStore"]
 
 
 @dataclasses.dataclass
@@ -59,68 +54,6 @@ class UpdatePlan:
     layout: list  # [(dtype, shape)]
 
 
-class AppliedUpdateIds:
-    """The update ids of a server's most recent applied pushes, with their results. Thread-safe.
-
-    A push that carries an id `claim`s it before applying. The claim returns
-    the first push's result when the id was applied (the push is then a
-    duplicate and applies nothing), waits while another push holds the id, and
-    otherwise holds the id until the push either `record`s its result (it
-    applied) or `release`s the id (it failed and applied nothing, so a corrected
-    retry may apply).
-
-    Args:
-        capacity: how many ids to remember; the oldest is forgotten first.
-    """
-
-    def __init__(self, capacity=MAX_REMEMBERED_UPDATES):
-        self.capacity = capacity
-        self._condition = threading.Condition()  # guards everything below
-        self._results = collections.OrderedDict()  # update id -> result, oldest first
-        self._in_flight = set()
-        self._num_deduplicated = 0
-
-    def claim(self, update_id, timeout=UPDATE_ID_WAIT_SECONDS):
-        """Returns `(True, result)` for an applied id, else `(False, None)`: the caller holds it.
-
-        Raises:
-            FailedPreconditionError: another push held the id for `timeout` seconds.
-        """
-        with self._condition:
-            if not self._condition.wait_for(lambda: update_id not in self._in_flight, timeout):
-                raise FailedPreconditionError(
-                    f"Another push with update_id={update_id!r} has been applying for over "
-                    f"{timeout} s. Retry this push with the same update_id: it is applied "
-                    "once in all."
-                )
-            if update_id in self._results:
-                self._num_deduplicated += 1
-                return True, self._results[update_id]
-            self._in_flight.add(update_id)
-            return False, None
-
-    def record(self, update_id, result):
-        """Remembers that the claimed `update_id` was applied with `result`."""
-        with self._condition:
-            self._in_flight.discard(update_id)
-            self._results[update_id] = result
-            while len(self._results) > self.capacity:
-                self._results.popitem(last=False)
-            self._condition.notify_all()
-
-    def release(self, update_id):
-        """Gives up the claimed `update_id` without remembering it (nothing was applied)."""
-        with self._condition:
-            self._in_flight.discard(update_id)
-            self._condition.notify_all()
-
-    @property
-    def num_deduplicated(self):
-        """How many claims found their id applied."""
-        with self._condition:
-            return self._num_deduplicated
-
-
 class VariableStore:
     """The variables of one server. Thread-safe.
 
@@ -128,6 +61,8 @@ class VariableStore:
         max_staleness: reject gradients staler than this; None: apply all.
         max_remembered_updates: how many update ids of applied pushes to
             remember for deduplication (`MAX_REMEMBERED_UPDATES`).
+        allow_non_finite_gradients: apply gradients holding NaN or infinity;
+            False: refuse the whole push (`InvalidArgumentError`).
 
     Example:
 
@@ -135,8 +70,10 @@ class VariableStore:
     >>> store.create([("w", np.zeros(3, "float32"), True)])  # doctest: +SKIP
     """
 
-    def __init__(self, max_staleness=None, max_remembered_updates=MAX_REMEMBERED_UPDATES):
+    def __init__(self, max_staleness=None, max_remembered_updates=MAX_REMEMBERED_UPDATES,
+                 allow_non_finite_gradients=False):
         self.max_staleness = max_staleness
+        self.allow_non_finite_gradients = allow_non_finite_gradients
         self.update_ids = AppliedUpdateIds(max_remembered_updates)
         self._lock = threading.Lock()  # guards _entries and the counters below
         self._entries = {}
@@ -163,7 +100,7 @@ class VariableStore:
         missing = [name for name, entry in zip(names, found) if entry is None]
         if missing:
             raise NotFoundError(
-                f"Unknown {what}(s) {missing}. Create them first; this server holds "
+                f"Unknown {what}(s) {name_list(missing)}. Create them first; this server holds "
                 f"{len(self)} variable(s)."
             )
         return found
@@ -192,9 +129,11 @@ class VariableStore:
 
         Raises:
             kdist.errors.InvalidArgumentError: an existing variable with another
-                shape, dtype or trainable flag (nothing is created then).
+                shape, dtype or trainable flag, or a trainable variable whose
+                dtype is not floating point. The whole request is checked, and
+                every new variable built, before any is added: a refused
+                request creates nothing.
         """
-        results = []
         with self._lock:
             for name, array, trainable in items:
                 entry = self._entries.get(name)
@@ -205,15 +144,16 @@ class VariableStore:
                         f"{entry.dtype.name}, trainable={entry.trainable}. Received: shape="
                         f"{array.shape}, dtype={array.dtype.name}, trainable={trainable}."
                     )
-            for name, array, trainable in items:
-                entry = self._entries.get(name)
-                if entry is None:
-                    entry = VariableEntry(name, make_variable(name, array, trainable), trainable)
-                    self._entries[name] = entry
-                    results.append((entry, True))
-                else:
-                    results.append((entry, False))
-        return results
+                if entry is None and trainable and not _is_floating(array.dtype):
+                    raise InvalidArgumentError(
+                        f"A trainable variable must have a floating-point dtype. Received: "
+                        f"variable {name!r} with dtype {array.dtype.name}, trainable=True. "
+                        "Create it with trainable=False, or with a float dtype."
+                    )
+            built = {name: VariableEntry(name, make_variable(name, array, trainable), trainable)
+                     for name, array, trainable in items if name not in self._entries}
+            self._entries.update(built)
+            return [(self._entries[name], name in built) for name, _, _ in items]
 
     # -- Optimizers -------------------------------------------------------------
 
@@ -260,10 +200,11 @@ class VariableStore:
             assignment_layouts: `[(name, dtype, shape)]`.
         """
         names = [spec.name for spec in gradients] + [name for name, _, _ in assignment_layouts]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        duplicates = sorted(name for name, count in collections.Counter(names).items()
+                            if count > 1)
         if duplicates:
             raise InvalidArgumentError(
-                f"A push may update each variable once. Received: {duplicates} more than "
+                f"A push may update each variable once. Received: {name_list(duplicates)} more than "
                 "once. Sum the gradients first, or push twice."
             )
         gradient_entries = self.entries([spec.name for spec in gradients])
@@ -318,8 +259,10 @@ class VariableStore:
             `(versions, rejected, staleness)` as in `PushResult`.
 
         Raises:
-            kdist.errors.InvalidArgumentError: a row id out of range (checked
-                for every gradient before any is applied).
+            kdist.errors.InvalidArgumentError: a row id out of range, or a
+                NaN or infinite gradient value unless
+                `allow_non_finite_gradients` (checked for every gradient
+                before any is applied).
             FailedPreconditionError: see `AppliedUpdateIds.claim`.
         """
         if not update_id:
@@ -351,6 +294,9 @@ class VariableStore:
                 dense.append((spec, entry, (ids, rows)))
             else:
                 dense.append((spec, entry, next(arrays)))
+        if not self.allow_non_finite_gradients:
+            for spec, entry, gradient in dense:
+                _check_finite(entry, gradient[1] if spec.rows else gradient)
         versions, rejected, staleness, applied = {}, [], {}, 0
         for spec, entry, gradient in dense:
             with entry.lock:
@@ -416,6 +362,23 @@ def _check_layout(what, entry, dtype, shape, expected_shape):
             f"{what}: wrong shape or dtype. Received: shape={tuple(shape)}, "
             f"dtype={dtype.name}. Expected: shape={tuple(expected_shape)}, "
             f"dtype={entry.dtype.name}."
+        )
+
+
+def _is_floating(dtype):
+    # bfloat16 and the float8 types (ml_dtypes) are not np.floating subclasses.
+    return np.issubdtype(dtype, np.floating) or "float" in dtype.name
+
+
+def _check_finite(entry, values):
+    # One vectorized pass per gradient (~0.3 ms per million float32 values).
+    if _is_floating(values.dtype) and not np.isfinite(values).all():
+        num_bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+        raise InvalidArgumentError(
+            f"{entry.describe('The gradient of')} holds non-finite values. Received: "
+            f"{num_bad} NaN or infinite value(s) of {values.size}. Expected finite values; "
+            "nothing of this push was applied. Find where the loss diverges, or serve "
+            "with ServiceOptions(allow_non_finite_gradients=True) to apply them."
         )
 
 

@@ -1,0 +1,191 @@
+"""Server side: bounds on concurrent streaming calls, and an idle timeout per stream.
+
+A streaming call holds one server thread for as long as it runs, and how long
+that is depends on the client: a client that sends a header and then nothing
+holds its thread forever. Two rules keep the server answering everyone,
+`Health` included:
+
+- **Slots.** A streaming call (every method with a request or response stream)
+  takes a slot when it starts and gives it back when it ends. At most
+  `ServiceOptions.stream_limit` slots exist, fewer than the server's threads,
+  so unary calls always find a thread; one peer (`context.peer()`: one client
+  channel) holds at most `ServiceOptions.peer_stream_limit` of them. A call
+  that finds no slot is refused at once with `RESOURCE_EXHAUSTED` naming the
+  bound; it never waits, because waiting would hold a thread.
+- **Idle timeout.** While a call waits for its client — for the next request
+  message, or for the client to take a response message — it is *waiting*.
+  A call waiting longer than `ServiceOptions.stream_idle_seconds` is cancelled
+  by the guard's watchdog thread (`context.cancel()`), which wakes the handler
+  blocked on it and frees the thread. Time the server itself spends (applying
+  a gradient, encoding a response) never counts.
+"""
+
+import logging
+import threading
+import time
+
+from kdist.ps.status import ResourceExhaustedError
+
+logger = logging.getLogger(__name__)
+
+
+class GuardedCall:
+    """One admitted streaming call. `waiting_since` is set while it waits for its client."""
+
+    __slots__ = ("method", "peer", "context", "waiting_since", "idle_cancelled", "released")
+
+    def __init__(self, method, peer, context):
+        self.method = method
+        self.peer = peer
+        self.context = context
+        self.waiting_since = None  # time.monotonic() when it began to wait; None: working
+        self.idle_cancelled = False
+        self.released = False
+
+
+class StreamGuard:
+    """Admits streaming calls into bounded slots and cancels the idle ones. Thread-safe.
+
+    The watchdog thread runs only while calls are admitted; it starts with
+    the first and ends when the last one is released.
+
+    Args:
+        stream_limit: slots in all.
+        peer_limit: slots one peer may hold.
+        idle_seconds: how long a call may wait for its client.
+
+    Example:
+
+    >>> guard = StreamGuard(stream_limit=12, peer_limit=8, idle_seconds=30.0)
+    >>> guard.num_streams
+    0
+    """
+
+    def __init__(self, stream_limit, peer_limit, idle_seconds):
+        self.stream_limit = stream_limit
+        self.peer_limit = peer_limit
+        self.idle_seconds = idle_seconds
+        self._condition = threading.Condition()  # guards everything below
+        self._calls = set()
+        self._per_peer = {}
+        self._watchdog = None
+        self.num_refused = 0
+        self.num_idle_cancelled = 0
+
+    @classmethod
+    def from_options(cls, options):
+        """Returns the guard that `ServiceOptions` describe."""
+        return cls(options.stream_limit, options.peer_stream_limit, options.stream_idle_seconds)
+
+    @property
+    def num_streams(self):
+        """Streaming calls admitted and not yet released."""
+        with self._condition:
+            return len(self._calls)
+
+    def admit(self, method, context):
+        """Admits a call of `method` (a name, for messages) or refuses it.
+
+        Returns:
+            The call's `GuardedCall`; `release` it when the call ends. It is
+            also released when gRPC ends the call (a callback on `context`).
+
+        Raises:
+            ResourceExhaustedError: every slot, or every slot of this peer, is taken.
+        """
+        peer = context.peer()
+        with self._condition:
+            held = self._per_peer.get(peer, 0)
+            if len(self._calls) >= self.stream_limit or held >= self.peer_limit:
+                self.num_refused += 1
+                if held >= self.peer_limit:
+                    bound = (f"{held} streaming calls from this peer, the most one peer may "
+                             f"have open (ServiceOptions.max_streams_per_peer={self.peer_limit})")
+                else:
+                    bound = (f"{len(self._calls)} streaming calls, the most this server serves "
+                             f"at once (ServiceOptions.max_concurrent_streams="
+                             f"{self.stream_limit})")
+                raise ResourceExhaustedError(
+                    f"Too many concurrent streams: {method} refused. Received: {bound} "
+                    "already open. Retry when some have finished, or raise the bound."
+                )
+            call = GuardedCall(method, peer, context)
+            self._calls.add(call)
+            self._per_peer[peer] = held + 1
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                                  name="kdist-ps-stream-guard")
+                self._watchdog.start()
+        if not context.add_callback(lambda: self.release(call)):
+            self.release(call)  # the call has already ended
+        return call
+
+    def release(self, call):
+        """Gives `call`'s slot back; a second release does nothing."""
+        with self._condition:
+            if call.released:
+                return
+            call.released = True
+            self._calls.discard(call)
+            left = self._per_peer.pop(call.peer) - 1
+            if left:
+                self._per_peer[call.peer] = left
+            self._condition.notify_all()
+
+    def requests(self, call, iterator):
+        """Yields the request messages of `call`, marking it waiting while it reads."""
+        iterator = iter(iterator)
+        while True:
+            call.waiting_since = time.monotonic()
+            try:
+                message = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                call.waiting_since = None
+            yield message
+
+    def responses(self, call, iterator):
+        """Yields the response messages of `call`, marking it waiting while gRPC sends one.
+
+        Releases the call when the stream ends, however it ends.
+        """
+        try:
+            for message in iterator:
+                call.waiting_since = time.monotonic()
+                yield message
+                call.waiting_since = None
+        finally:
+            call.waiting_since = None
+            self.release(call)
+
+    def _watch(self):
+        while True:
+            with self._condition:
+                if not self._calls:
+                    self._watchdog = None
+                    return
+                now = time.monotonic()
+                expired, next_check = [], self.idle_seconds
+                for call in self._calls:
+                    since = call.waiting_since
+                    if since is None or call.idle_cancelled:
+                        continue
+                    left = since + self.idle_seconds - now
+                    if left <= 0:
+                        call.idle_cancelled = True
+                        expired.append(call)
+                    else:
+                        next_check = min(next_check, left)
+                self.num_idle_cancelled += len(expired)
+            for call in expired:
+                logger.warning(
+                    "Cancelled a %s stream from %s: it waited over %g s for its client "
+                    "(ServiceOptions.stream_idle_seconds).", call.method, call.peer,
+                    self.idle_seconds)
+                call.context.cancel()
+            with self._condition:
+                # A call that starts waiting now expires no sooner than
+                # idle_seconds from now, so this wait is never late; a release
+                # wakes it early to end the thread when no call is left.
+                self._condition.wait(next_check)
