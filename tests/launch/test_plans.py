@@ -1,0 +1,108 @@
+"""Tests for kdist.launch.plans' worker restarts, and `kdist launch --chief` surviving a worker.
+
+The last tests are the acceptance test of coordinator training under the real
+launcher: a worker killed with SIGKILL mid-training is restarted on its port,
+the chief finishes, and the launcher exits with the chief's code (0).
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdist.launch import cli, plans
+from kdist.launch.spec import RestartPolicy
+from tests import harness
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = str(SCRIPTS / "report_env.py")
+COORDINATOR_SCRIPT = str(SCRIPTS / "coordinator_restart.py")
+TIMEOUT = 90.0
+
+
+def specs_for(*argv):
+    args = cli.build_parser().parse_args(["launch", *argv, SCRIPT])
+    return {spec.name: spec for spec in plans.build_specs(args)}
+
+
+def test_coordinator_workers_get_a_bounded_restart_policy_and_nothing_else_does():
+    specs = specs_for("--workers", "2", "--ps", "1", "--chief")
+
+    default = RestartPolicy(plans.DEFAULT_MAX_WORKER_RESTARTS, plans.FIRST_RESTART_DELAY_SECONDS)
+    assert {name: spec.restart for name, spec in specs.items()} == {
+        "ps-0": None,
+        "worker-0": default,
+        "worker-1": default,
+        "chief-0": None,
+    }
+    specs = specs_for("--workers", "1", "--ps", "1", "--chief", "--max-worker-restarts", "5")
+    assert specs["worker-0"].restart == RestartPolicy(5, plans.FIRST_RESTART_DELAY_SECONDS)
+    specs = specs_for("--workers", "1", "--ps", "1", "--chief", "--max-worker-restarts", "0")
+    assert specs["worker-0"].restart is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--workers", "2", "--ps", "1"),  # Asynchronous PS: workers train themselves.
+        ("--workers", "2", "--chief"),  # MultiWorkerMirroredStrategy.
+        ("--workers", "2", "--ps", "1", "--chief", "--daemon-jobs", "ps"),
+    ],
+    ids=["async-ps", "multi-worker", "workers-not-serving"],
+)
+def test_workers_that_train_themselves_keep_fail_fast(argv):
+    assert all(spec.restart is None for spec in specs_for(*argv).values())
+
+
+def test_max_worker_restarts_outside_coordinator_training_is_a_usage_error(capsys):
+    code = cli.main(["launch", "--workers", "2", "--max-worker-restarts", "2", SCRIPT, "x"])
+
+    assert code == 2
+    assert "argument --max-worker-restarts: applies to coordinator training only" in (
+        capsys.readouterr().err
+    )
+
+
+def _launch_coordinator(out_dir, *options):
+    argv = [sys.executable, "-m", "kdist", "launch", "--ps", "1", "--workers", "2", "--chief"]
+    argv += ["--grace", "2", *options, COORDINATOR_SCRIPT, str(out_dir)]
+    spec = harness.ProcessSpec("launcher", argv, cwd=str(harness.REPO_ROOT))
+    return harness.start([spec])
+
+
+def _kill_worker_mid_training(processes, out_dir):
+    assert processes.wait_for_output(
+        "launcher", "[chief-0] epoch 0 done", TIMEOUT
+    ), processes.output("launcher")
+    (pid_file,) = Path(out_dir).glob("worker-1.*.pid")
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_training_is_restarted_and_the_chief_finishes(tmp_path):
+    with _launch_coordinator(tmp_path) as processes:
+        _kill_worker_mid_training(processes, tmp_path)
+        result = harness.wait(processes, TIMEOUT)
+
+    output = result.output("launcher")
+    assert result.returncodes == {"launcher": 0}, output
+    assert "[kdist] worker-1 (pid" in output
+    assert "was killed by SIGKILL; restarting it (1 of 3) in 1s" in output
+    assert "[kdist] restarted worker-1 (pid" in output
+    assert output.count("[worker-1] serving") == 2
+    (report,) = [line for line in output.splitlines() if line.startswith("[chief-0] {")]
+    report = json.loads(report.split(" ", 1)[1])
+    assert report["restarted"] == ["worker-1"]
+    assert report["closures"] == 4 * 20  # Every scheduled step ran exactly once.
+
+
+def test_control_without_restarts_the_killed_worker_fails_the_job(tmp_path):
+    with _launch_coordinator(tmp_path, "--max-worker-restarts", "0") as processes:
+        _kill_worker_mid_training(processes, tmp_path)
+        result = harness.wait(processes, TIMEOUT)
+
+    output = result.output("launcher")
+    assert result.returncodes == {"launcher": 128 + signal.SIGKILL}, output
+    assert "worker-1 failed first" in output and "restarting" not in output
