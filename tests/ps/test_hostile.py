@@ -1,0 +1,319 @@
+"""The variable service under hostile load: stalled streams, bad batches, huge errors.
+
+Each test runs a real server on loopback and talks to it with the real client or
+with raw gRPC calls made from the generated stubs (requests no kdist client
+would send). A refused request must change nothing: values, versions,
+optimizer slots, and the bookkeeping that makes retried pushes exactly-once.
+"""
+
+import logging
+import threading
+import time
+
+import grpc
+import keras
+import numpy as np
+import pytest
+
+from kdist.errors import InvalidArgumentError, ParameterServerError
+from kdist.ps import (
+    DenseGradient,
+    RowGradient,
+    ServiceOptions,
+    VariableClient,
+    VariableInit,
+    create_server,
+)
+from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps._generated import variable_service_pb2_grpc as pb_grpc
+from kdist.ps.security import Security
+from kdist.ps.status import MAX_DETAIL_BYTES
+from kdist.ps.stream_guard import StreamGuard
+
+pytestmark = pytest.mark.timeout(120)
+
+IDLE_SECONDS = 2.0
+# Health must answer within this while every stream slot is stalled.
+HEALTH_DEADLINE = 3.0
+STALL_SECONDS = 60.0  # how long a stalled client would wait: far past the test
+
+
+def adam_config():
+    return keras.optimizers.serialize(keras.optimizers.Adam(0.01))
+
+
+def wait_until(predicate, timeout, what, state=lambda: None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout} s waiting for {what}; state: {state()}")
+        time.sleep(0.02)
+
+
+# -- Stalled streams ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def guarded_server():
+    # 8 threads: 4 stream slots (4 threads kept for unary calls), 2 per peer.
+    # Without the cluster secret, so that raw gRPC calls reach the service: a
+    # buggy or hostile client that holds the secret gets exactly this far.
+    options = ServiceOptions(max_workers=8, max_streams_per_peer=2,
+                             stream_idle_seconds=IDLE_SECONDS, rpc_timeout_seconds=30,
+                             connect_timeout_seconds=10)
+    security = Security.insecure()
+    server = create_server(options=options, security=security)
+    yield server, options, security
+    server.stop(0)
+
+
+def stalled_push(release):
+    """A push that sends its header, then nothing until `release` is set."""
+    yield pb.PushRequest(header=pb.PushHeader(update_id="stalled"))
+    release.wait(STALL_SECONDS)
+
+
+def stalled_lookup(release):
+    yield pb.LookupRequest(header=pb.LookupHeader())
+    release.wait(STALL_SECONDS)
+
+
+def open_stalled_streams(address, release, num_channels, per_channel):
+    """Opens `num_channels * per_channel` stalled streams (pushes and lookups)."""
+    channels, calls = [], []
+    for _ in range(num_channels):
+        # A local subchannel pool: each channel its own connection, so its own peer.
+        channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        stub = pb_grpc.VariableServiceStub(channel)
+        channels.append(channel)
+        for index in range(per_channel):
+            if index % 2:
+                calls.append(stub.Push.future(stalled_push(release), timeout=STALL_SECONDS))
+            else:
+                lookup = stub.Lookup(stalled_lookup(release), timeout=STALL_SECONDS)
+                calls.append(lookup)
+    return channels, calls
+
+
+def call_code(call, timeout):
+    """Waits for `call` (a push future or a lookup stream) to end; returns its status code."""
+    call.exception(timeout=timeout)
+    return call.code()
+
+
+def health_seconds(address):
+    started = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        response = pb_grpc.VariableServiceStub(channel).Health(pb.HealthRequest(),
+                                                                timeout=HEALTH_DEADLINE)
+    assert response.status == "SERVING"
+    return time.monotonic() - started
+
+
+def test_stalled_streams_cannot_starve_the_server(guarded_server):
+    server, options, security = guarded_server
+    guard = server._servicer.guard
+    assert (guard.stream_limit, guard.peer_limit) == (4, 2) and options.max_workers == 8
+    release = threading.Event()
+    # 12 stalled streams from 4 channels, more than the server's 8 threads.
+    channels, calls = open_stalled_streams(server.address, release, 4, 3)
+    try:
+        wait_until(lambda: guard.num_streams == 4 and guard.num_refused == 8, 10,
+                   "4 streams admitted and 8 refused",
+                   lambda: (guard.num_streams, guard.num_refused))
+        refused = [call for call in calls if call.done()]
+        assert len(refused) == 8
+        details = []
+        for call in refused:
+            assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details.append(call.details())
+        assert any("max_streams_per_peer=2" in detail for detail in details), details
+        assert all("max_streams_per_peer=2" in detail or "max_concurrent_streams=4" in detail
+                   for detail in details), details
+        # Health, Stats and a real client's calls are answered at once.
+        assert health_seconds(server.address) < HEALTH_DEADLINE
+        with VariableClient(server.address, options=options, security=security) as client:
+            assert client.stats().requests["push"] >= 1
+            with pytest.raises(ParameterServerError) as caught:  # no free stream slot
+                client.pull(["anything"])
+            assert caught.value.code_name == "RESOURCE_EXHAUSTED"
+            # The stalled streams are cancelled after the idle timeout...
+            started = time.monotonic()
+            codes = [call_code(call, IDLE_SECONDS + 10) for call in calls if call not in refused]
+            assert codes == [grpc.StatusCode.CANCELLED] * 4
+            assert time.monotonic() - started < IDLE_SECONDS + 5
+            wait_until(lambda: guard.num_streams == 0, 10, "every slot released")
+            assert guard.num_idle_cancelled == 4
+            # ...and the server serves streams again; the stalled pushes applied nothing.
+            client.create([VariableInit("w", np.zeros(3, "float32"))])
+            [state] = client.pull(["w"])
+            assert state.version == 0 and client.stats().deduplicated_updates == 0
+    finally:
+        release.set()
+        for channel in channels:
+            channel.close()
+
+
+def test_negative_control_unbounded_streams_starve_health(guarded_server):
+    server, _, _ = guarded_server
+    # The deliberate bug: no slots and no idle timeout. Then 12 stalled
+    # streams hold all 8 threads, and Health is not answered.
+    server._servicer.guard = StreamGuard(stream_limit=10**6, peer_limit=10**6,
+                                         idle_seconds=3600.0)
+    release = threading.Event()
+    channels, _ = open_stalled_streams(server.address, release, 4, 3)
+    try:
+        wait_until(lambda: server._servicer.guard.num_streams == 8, 10, "8 stalled streams")
+        with pytest.raises(grpc.RpcError) as caught:
+            health_seconds(server.address)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        release.set()
+        for channel in channels:
+            channel.close()
+
+
+def test_a_cancelled_stream_logs_one_line(guarded_server, caplog):
+    server, _, _ = guarded_server
+    guard = server._servicer.guard
+    release = threading.Event()
+    caplog.set_level(logging.INFO)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VariableServiceStub(channel)
+        future = stub.Push.future(stalled_push(release), timeout=STALL_SECONDS)
+        wait_until(lambda: guard.num_streams == 1, 10, "the push to start")
+        future.cancel()  # the client gives up mid-stream
+        wait_until(lambda: guard.num_streams == 0, 10, "the cancelled push to end")
+        cancelled = [record for record in caplog.records if record.name.startswith("kdist")]
+        idle = stub.Push.future(stalled_push(release), timeout=STALL_SECONDS)
+        assert call_code(idle, IDLE_SECONDS + 10) == grpc.StatusCode.CANCELLED
+        wait_until(lambda: guard.num_streams == 0, 10, "the idle push to end")
+    release.set()
+    assert [record.levelno for record in cancelled] == [logging.INFO]
+    assert "Push" in cancelled[0].getMessage() and "cancelled" in cancelled[0].getMessage()
+    records = [record for record in caplog.records if record.name.startswith("kdist")]
+    assert [record.levelno for record in records] == [logging.INFO, logging.WARNING]
+    assert "stream_idle_seconds" in records[1].getMessage()
+    assert not any(record.exc_info for record in caplog.records), "a traceback was logged"
+
+
+# -- Create is all-or-nothing ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [
+    VariableInit("steps", np.zeros((), "int64"), trainable=True),
+    VariableInit("mask", np.ones(4, bool), trainable=True),
+])
+def test_create_with_a_bad_variable_creates_nothing(client, bad):
+    client.create([VariableInit("existing", np.ones(2, "float32"))])
+    before = client.stats()
+    with pytest.raises(ParameterServerError) as caught:
+        client.create([VariableInit("kernel", np.ones((3, 3), "float32")),
+                       VariableInit("bias", np.zeros(3, "float32")), bad])
+    assert caught.value.code_name == "INVALID_ARGUMENT"
+    assert repr(bad.name) in caught.value.detail and "floating-point" in caught.value.detail
+    after = client.stats()
+    assert sorted(after.variables) == sorted(before.variables) == ["existing"]
+    for name in ("kernel", "bias", bad.name):
+        with pytest.raises(ParameterServerError) as caught:
+            client.pull([name])
+        assert caught.value.code_name == "NOT_FOUND"
+    # The same variable, not trainable, is fine; the good ones then create.
+    client.create([VariableInit("kernel", np.ones((3, 3), "float32")),
+                   VariableInit(bad.name, bad.value, trainable=False)])
+    assert sorted(client.stats().variables) == sorted(["existing", "kernel", bad.name])
+
+
+# -- Non-finite gradients ----------------------------------------------------------------
+
+
+def optimizer_snapshot(client, names):
+    return {name: (state.iterations, {slot: value.copy() for slot, value in state.slots.items()})
+            for name, state in client.optimizer_state(names).items()}
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_non_finite_gradients_are_refused_and_change_nothing(client, poison):
+    client.create([VariableInit("w", np.linspace(-1, 1, 12, dtype="float32").reshape(4, 3)),
+                   VariableInit("b", np.zeros(3, "float32"))])
+    client.configure_optimizer(adam_config(), ["w", "b"])
+    client.push([DenseGradient("w", np.ones((4, 3), "float32")),
+                 DenseGradient("b", np.ones(3, "float32"))])
+    values = {state.name: (state.value, state.version) for state in client.pull(["w", "b"])}
+    slots = optimizer_snapshot(client, ["w", "b"])
+    bad = np.ones((4, 3), "float32")
+    bad[2, 1] = poison
+    rows = np.ones((2, 3), "float32")
+    rows[1, 0] = poison
+    for gradients in ([DenseGradient("b", np.ones(3, "float32")), DenseGradient("w", bad)],
+                      [DenseGradient("b", np.ones(3, "float32")),
+                       RowGradient("w", np.array([0, 3]), rows)]):
+        with pytest.raises(ParameterServerError) as caught:
+            client.push(gradients, update_id="step-2")
+        assert caught.value.code_name == "INVALID_ARGUMENT" and not caught.value.retryable
+        detail = caught.value.detail
+        assert "'w'" in detail and "non-finite" in detail and "1 NaN or infinite" in detail
+    after = {state.name: (state.value, state.version) for state in client.pull(["w", "b"])}
+    for name, (value, version) in values.items():
+        np.testing.assert_array_equal(after[name][0], value)
+        assert after[name][1] == version == 1
+    after_slots = optimizer_snapshot(client, ["w", "b"])
+    for name, (iterations, slot_values) in slots.items():
+        assert after_slots[name][0] == iterations == 1
+        for slot, value in slot_values.items():
+            np.testing.assert_array_equal(after_slots[name][1][slot], value, err_msg=slot)
+    stats = client.stats()
+    assert stats.applied_pushes == 1 and stats.deduplicated_updates == 0
+    # The refused pushes did not use up their update id: the fixed push applies, once.
+    fixed = [DenseGradient("b", np.ones(3, "float32")),
+             DenseGradient("w", np.nan_to_num(bad, posinf=1.0, neginf=1.0, nan=1.0))]
+    assert client.push(fixed, update_id="step-2").versions == {"w": 2, "b": 2}
+    assert client.push(fixed, update_id="step-2").versions == {"w": 2, "b": 2}
+    assert client.stats().deduplicated_updates == 1
+    assert all(np.isfinite(state.value).all() for state in client.pull(["w", "b"]))
+
+
+def test_non_finite_gradients_apply_when_allowed():
+    options = ServiceOptions(allow_non_finite_gradients=True, rpc_timeout_seconds=30)
+    with create_server(options=options) as server, VariableClient(server.address) as client:
+        client.create([VariableInit("w", np.zeros(3, "float32"))])
+        client.configure_optimizer(adam_config(), ["w"])
+        assert client.push([DenseGradient("w", np.array([1, np.nan, 1], "float32"))]
+                           ).versions == {"w": 1}
+        [state] = client.pull(["w"])
+        assert np.isnan(state.value[1]) and np.isfinite(state.value[[0, 2]]).all()
+
+
+def test_allow_non_finite_gradients_must_be_a_bool():
+    with pytest.raises(InvalidArgumentError, match="allow_non_finite_gradients"):
+        ServiceOptions(allow_non_finite_gradients="yes")
+
+
+# -- Errors name what failed without echoing the request -----------------------------------
+
+
+def test_pulling_thousands_of_unknown_names_gets_a_short_not_found(client):
+    client.create([VariableInit("w", np.zeros(3, "float32"))])
+    names = [f"layer_{index}/kernel_with_a_long_descriptive_name" for index in range(2000)]
+    with pytest.raises(ParameterServerError) as caught:
+        client.pull(names)
+    detail = caught.value.detail
+    assert caught.value.code_name == "NOT_FOUND"
+    assert len(detail.encode()) <= MAX_DETAIL_BYTES + 100
+    assert names[0] in detail and "and 1990 more" in detail and names[-1] not in detail
+
+
+def test_huge_names_and_duplicates_are_not_echoed(client):
+    huge = "w" * 100_000
+    names = [huge] + [f"v{index}" for index in range(3000)] * 2
+    with pytest.raises(ParameterServerError) as caught:
+        client.create([VariableInit(name, np.zeros(1, "float32")) for name in names])
+    assert caught.value.code_name == "INVALID_ARGUMENT"
+    assert len(caught.value.detail.encode()) <= MAX_DETAIL_BYTES + 100
+    assert "and 2990 more" in caught.value.detail
+    with pytest.raises(ParameterServerError) as caught:
+        client.pull([huge])
+    assert caught.value.code_name == "NOT_FOUND"
+    assert "(100000 characters)" in caught.value.detail
+    assert len(caught.value.detail.encode()) <= MAX_DETAIL_BYTES + 100
+    assert len(client.stats().variables) == 0
