@@ -79,7 +79,7 @@ def save(store, directory):
         try:
             for name, array in arrays.items():
                 with open(temporary / name, "wb") as writer:
-                    np.save(writer, _storable(array), allow_pickle=False)
+                    np.save(_Writes(writer), _storable(array), allow_pickle=False)
                     _flush_to_disk(writer)
             manifest = json.dumps({"format": FORMAT, "variables": records}, indent=1)
             with open(temporary / MANIFEST_NAME, "w", encoding="utf-8") as writer:
@@ -178,12 +178,24 @@ def _replace_directory(temporary, target):
     if target.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
         os.replace(target, old / "checkpoint")
-        os.replace(temporary, target)
+        try:
+            os.replace(temporary, target)
+        except OSError:
+            os.replace(old / "checkpoint", target)  # put the previous checkpoint back
+            raise
         atomic_files.sync_directory(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(temporary, target)
         atomic_files.sync_directory(target.parent)
+
+
+class _Writes:
+    """Only the file's `write`: numpy then writes in chunks through it, and a
+    failed write keeps its errno (`ndarray.tofile`, used for real files, drops it)."""
+
+    def __init__(self, file):
+        self.write = file.write
 
 
 def _flush_to_disk(writer):

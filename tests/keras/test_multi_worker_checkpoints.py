@@ -1,5 +1,6 @@
 """Chief-only side effects, collective saves, and surviving a killed worker (real processes)."""
 
+import errno
 import json
 import os
 import signal
@@ -8,12 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 
+from kdist import atomic_files
 from tests import harness
 from tests.keras.test_multi_worker import assert_matches, assert_ranks_identical, load_ranks
-from tests.keras.workers import checkpointing, fit_equivalence
+from tests.keras.workers import checkpointing, failing_saves, fit_equivalence
 
 WORKER = Path(checkpointing.__file__)
 COLLECTIVE_TIMEOUT = 20.0
@@ -97,3 +100,21 @@ def test_killed_worker_fails_the_survivor_and_backup_resumes_to_the_same_result(
     assert_matches(expected, resumed)
     assert not (tmp_path / "backup").exists()  # deleted by the chief once training finished
 
+
+
+def test_a_collective_save_that_fails_partway_keeps_the_previous_file(tmp_path):
+    """The chief's write fails a third of the way (RLIMIT_FSIZE, EFBIG): every rank raises, the old file stays."""
+    specs = harness.python_specs(harness.torchrun_envs(2), Path(failing_saves.__file__),
+                                 "--mode", "multi_worker_save", "--dir", str(tmp_path))
+    harness.run(specs, timeout=240).check()
+    chief = json.loads((tmp_path / "multi_worker_save0.json").read_text())
+    other = json.loads((tmp_path / "multi_worker_save1.json").read_text())
+    assert chief["errors"]["save"] == ["OSError", errno.EFBIG], chief
+    assert other["errors"]["save"] == ["KdistError", None], other  # told that the chief failed
+    assert chief["after"] == chief["before"] == other["after"]
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(atomic_files.TEMPORARY_PREFIX)]
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    with np.load(tmp_path / "first.npz") as first:
+        expected = [first[f"arr_{index}"] for index in range(len(first.files))]
+    for value, reference in zip(loaded.get_weights(), expected, strict=True):
+        np.testing.assert_array_equal(value, reference)

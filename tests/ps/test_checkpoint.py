@@ -139,3 +139,46 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
         assert (precious / "notes.txt").read_text() == "keep me"
         client.save(str(tmp_path / "ckpt"))
         client.save(str(tmp_path / "ckpt"))  # an earlier checkpoint is replaced
+
+
+# Runs a server in its own process whose file size limit (RLIMIT_FSIZE) is then
+# lowered to a third of the largest file: the second save fails partway, for real.
+_SAVE_PAST_THE_FILE_SIZE_LIMIT = """
+import json, os, resource, signal, sys
+import numpy as np
+from kdist.errors import ParameterServerError
+from kdist.ps import Assignment, VariableClient, VariableInit, create_server
+target = sys.argv[1]
+with create_server() as server, VariableClient(server.address) as client:
+    client.create([VariableInit("big", np.arange(150_000, dtype="float32")), VariableInit("small", np.ones(3, "float32"))])
+    client.save(target)
+    client.assign([Assignment("big", np.zeros(150_000, "float32"))])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    limit = os.path.getsize(os.path.join(target, "variable_0.npy")) // 3
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        client.save(target)
+        code = None
+    except ParameterServerError as error:
+        code = error.code_name
+    print(json.dumps({"code": code, "serving": client.health()["status"]}))
+"""
+
+
+def test_a_save_that_fails_partway_keeps_the_previous_checkpoint(options, tmp_path):
+    import subprocess
+    import sys
+
+    from tests import harness
+
+    target = tmp_path / "checkpoint"
+    result = subprocess.run([sys.executable, "-c", _SAVE_PAST_THE_FILE_SIZE_LIMIT, str(target)], capture_output=True,
+                            text=True, timeout=60, check=True, cwd=harness.REPO_ROOT)
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    # No room to write is RESOURCE_EXHAUSTED (not INVALID_ARGUMENT), and the server still serves.
+    assert outcome == {"code": "RESOURCE_EXHAUSTED", "serving": "SERVING"}, result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint"]  # no temporary directory left
+    with create_server(options=options) as fresh, VariableClient(fresh.address, options=options) as client:
+        client.restore(str(target))
+        (big,) = client.pull(["big"])
+        np.testing.assert_array_equal(big.value, np.arange(150_000, dtype="float32"))
