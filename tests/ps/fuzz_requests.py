@@ -2,8 +2,10 @@
 
 Random bytes shaped like gRPC messages, and well-formed request messages of the
 real types whose contents are wrong. Every well-formed request carries at least
-one defect, so none may change a variable; `VARIABLES` is the state the server
-holds while it is fuzzed.
+one defect, so none may change a variable (or create one: a create that mixes
+valid variables with a bad one creates nothing); `VARIABLES` is the state the
+server holds while it is fuzzed. Defects include non-finite gradients, which
+the server refuses by default.
 """
 
 import json
@@ -130,7 +132,7 @@ def bad_gradient(rng):
     """Returns `(GradientMeta, payload)` with one defect."""
     name = rng.choice(["weights", "embedding"])
     shape = VARIABLES[name][0].shape
-    defect = rng.randrange(8)
+    defect = rng.randrange(10)
     if defect == 0:
         values, payload = bad_tensor(rng, "float32", shape)
         return pb.GradientMeta(name=name, kind=pb.DENSE, values=values), payload
@@ -155,8 +157,18 @@ def bad_gradient(rng):
     if defect == 6:  # a row gradient for a variable without rows
         return pb.GradientMeta(name="counter", kind=pb.ROWS, values=meta("int64", (1,)),
                                num_row_ids=1), b"\0" * 16
-    return pb.GradientMeta(name=name, kind=pb.ROWS, values=meta("float32", ()),
-                           num_row_ids=0), b"\0" * 4
+    if defect == 7:
+        return pb.GradientMeta(name=name, kind=pb.ROWS, values=meta("float32", ()),
+                               num_row_ids=0), b"\0" * 4
+    # Well-formed but not finite: refused unless the server allows it.
+    poisoned = np.ones(shape if defect == 8 else (2, shape[1]), "float32")
+    poisoned.flat[rng.randrange(poisoned.size)] = rng.choice([np.nan, np.inf, -np.inf])
+    if defect == 8:
+        return pb.GradientMeta(name=name, kind=pb.DENSE, values=meta("float32", shape),
+                               version=0), poisoned.tobytes()
+    ids = np.array([0, shape[0] - 1], dtype="int64")
+    return pb.GradientMeta(name=name, kind=pb.ROWS, values=meta("float32", poisoned.shape),
+                           num_row_ids=2), ids.tobytes() + poisoned.tobytes()
 
 
 def bad_assignment(rng):
@@ -196,6 +208,8 @@ def push_request(rng, assign_only):
 
 
 def create_request(rng):
+    if rng.random() < 0.3:
+        return mixed_create_request(rng)
     items, payload = [], b""
     for _ in range(rng.randrange(1, 4)):
         name = rng.choice(NAMES)
@@ -209,6 +223,21 @@ def create_request(rng):
         payload += data
     if rng.random() < 0.2:
         items.append(items[0])  # a name twice
+    return framed(pb.CreateRequest, pb.CreateHeader(items=items), payload, rng)
+
+
+def mixed_create_request(rng):
+    """Valid new variables, then one that may not be created: nothing may be created."""
+    items, payload = [], b""
+    for index in range(rng.randrange(1, 4)):
+        value = np.full((2, 3), index, "float32")
+        items.append(pb.CreateItem(name=f"fresh_{index}", value=meta("float32", value.shape),
+                                   trainable=True))
+        payload += value.tobytes()
+    dtype = rng.choice(["int64", "int32", "bool", "uint8"])
+    bad = np.zeros(3, dtype)  # a trainable variable must be floating point
+    items.append(pb.CreateItem(name="fresh_bad", value=meta(dtype, bad.shape), trainable=True))
+    payload += bad.tobytes()
     return framed(pb.CreateRequest, pb.CreateHeader(items=items), payload, rng)
 
 

@@ -7,8 +7,10 @@ optimizer slots, and the bookkeeping that makes retried pushes exactly-once.
 """
 
 import logging
+import re
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import keras
@@ -29,6 +31,7 @@ from kdist.ps._generated import variable_service_pb2_grpc as pb_grpc
 from kdist.ps.security import Security
 from kdist.ps.status import MAX_DETAIL_BYTES
 from kdist.ps.stream_guard import StreamGuard
+from tests import harness
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -317,3 +320,59 @@ def test_huge_names_and_duplicates_are_not_echoed(client):
     assert "(100000 characters)" in caught.value.detail
     assert len(caught.value.detail.encode()) <= MAX_DETAIL_BYTES + 100
     assert len(client.stats().variables) == 0
+
+
+# -- A full disk ---------------------------------------------------------------------------
+
+DISK_LIMITED_SCRIPT = Path(__file__).with_name("serve_disk_limited_main.py")
+MAX_FILE_BYTES = 64 << 10
+TEST_SECRET = "hostile-load-test-secret"
+
+
+@pytest.fixture
+def disk_limited_client():
+    """A client of a server in another process whose files may not grow past 64 KiB."""
+    specs = harness.python_specs([("ps-0", {"KDIST_SECRET": TEST_SECRET})],
+                                 DISK_LIMITED_SCRIPT, str(MAX_FILE_BYTES))
+    options = ServiceOptions(rpc_timeout_seconds=30, connect_timeout_seconds=10)
+    with harness.start(specs) as processes:
+        assert processes.wait_for_output("ps-0", "PORT ", timeout=60), processes.output("ps-0")
+        port = int(re.search(r"PORT (\d+)", processes.output("ps-0")).group(1))
+        with VariableClient(f"127.0.0.1:{port}", options=options,
+                            security=Security(token=TEST_SECRET)) as client:
+            client.wait_until_ready(30)
+            yield client
+        assert processes.returncodes["ps-0"] is None, processes.output("ps-0")
+
+
+def check_full_disk_refusal(client, directory, new_variables):
+    small = np.arange(100, dtype="float32")
+    client.create([VariableInit("small", small)])
+    client.save(str(directory))  # fits
+    client.create(new_variables)
+    with pytest.raises(ParameterServerError) as caught:
+        client.save(str(directory))
+    assert caught.value.code_name == "RESOURCE_EXHAUSTED", caught.value
+    assert "checkpoint" in caught.value.detail
+    # The server carries on, with its state; the earlier checkpoint still restores.
+    assert client.health()["status"] == "SERVING"
+    for item in new_variables[:3]:
+        [state] = client.pull([item.name])
+        np.testing.assert_array_equal(state.value, item.value)
+    client.restore(str(directory))
+    [state] = client.pull(["small"])
+    np.testing.assert_array_equal(state.value, small)
+
+
+def test_a_full_disk_is_resource_exhausted(disk_limited_client, tmp_path):
+    # 600 small variables: each array file fits, the manifest (~100 KiB) does not.
+    new = [VariableInit(f"layer_{index}/a_long_kernel_name_for_the_manifest",
+                        np.full(2, index, "float32")) for index in range(600)]
+    check_full_disk_refusal(disk_limited_client, tmp_path / "checkpoint", new)
+
+
+def test_a_full_disk_while_writing_an_array_is_resource_exhausted(disk_limited_client,
+                                                                  tmp_path):
+    big = np.ones(MAX_FILE_BYTES, "float32")  # 4x the file-size limit
+    check_full_disk_refusal(disk_limited_client, tmp_path / "checkpoint",
+                            [VariableInit("big", big)])
