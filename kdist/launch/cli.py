@@ -70,9 +70,9 @@ output and exit:
   When a process fails, the others get --grace seconds to finish; then the stacks
   of the survivors are printed (SIGABRT, faulthandler) and they are killed. The
   exit code is the first failing process's (128 + N if signal N killed it), 0 if
-  none failed, 124 on --timeout. Ctrl-C or SIGTERM sends SIGTERM to every
-  process, SIGKILL after --grace seconds, and exits 130 (SIGINT) or 143 (SIGTERM);
-  a second Ctrl-C kills at once. Processes die with the launcher (Linux).
+  none failed, 124 on --timeout. Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every
+  process, SIGKILL after --grace seconds, and exits 130 (SIGINT), 143 (SIGTERM) or
+  129 (SIGHUP); a second Ctrl-C kills at once. Processes die with the launcher (Linux).
   Daemon jobs (default: ps with --workers, none with --cluster) serve until
   stopped: they get SIGTERM once every other process ended, and their exit codes
   then do not count.
