@@ -157,6 +157,27 @@ def test_stalled_streams_cannot_starve_the_server(guarded_server):
             channel.close()
 
 
+def test_a_client_that_stops_reading_a_pull_is_cancelled(guarded_server):
+    server, options, security = guarded_server
+    guard = server._servicer.guard
+    big = np.ones(16 << 20, "float32")  # 64 MiB: far more than gRPC's flow-control windows
+    with VariableClient(server.address, options=options, security=security) as client:
+        client.create([VariableInit("big", big)])
+    with grpc.insecure_channel(server.address) as channel:
+        pull = pb_grpc.VariableServiceStub(channel).Pull(pb.PullRequest(names=["big"]),
+                                                         timeout=STALL_SECONDS)
+        next(pull)  # then stops reading: the server's sends block
+        started = time.monotonic()
+        wait_until(lambda: guard.num_idle_cancelled == 1, IDLE_SECONDS + 10,
+                   "the stalled pull to be cancelled")
+        assert time.monotonic() - started < IDLE_SECONDS + 5
+        wait_until(lambda: guard.num_streams == 0, 10, "its slot to be released")
+        with pytest.raises(grpc.RpcError) as caught:
+            list(pull)
+        assert caught.value.code() == grpc.StatusCode.CANCELLED
+    assert health_seconds(server.address) < HEALTH_DEADLINE
+
+
 def test_negative_control_unbounded_streams_starve_health(guarded_server):
     server, _, _ = guarded_server
     # The deliberate bug: no slots and no idle timeout. Then 12 stalled
