@@ -1,11 +1,15 @@
 """A client-side watchdog that cancels gRPC calls still running past their deadline.
 
-gRPC's own deadline should end every call, but it does not always: a pull stream
-in flight when its parameter server is `kill -9`ed was seen blocked for 400 s past
-a 120 s deadline (with the channel's retry policy on). So every client call is
-also watched: `Watchdog.watch(call.cancel, deadline + GRACE_SECONDS)` arms a
-timer, and a call that has not finished by then is cancelled from the
-watchdog's thread, which wakes the thread blocked in it.
+gRPC's own deadline should end every call, but it did not always: with the
+channel's retry policy on, a pull stream in flight when its parameter server was
+`kill -9`ed stayed blocked far past its deadline. That call had its
+`UNAVAILABLE` status, but its pending receive operations never completed, so
+`cancel()` could not wake it either: kdist's channels therefore run with gRPC's
+retries off (`grpc.enable_retries=0`; `VariableClient` retries by itself), which
+ends that hang. The watchdog is the second line, for a call gRPC does not end
+at its deadline but that can still be cancelled: `watched_call` arms
+`Watchdog.watch(call.cancel, deadline + GRACE_SECONDS)`, and a call not finished
+by then is cancelled from the watchdog's thread, which wakes the one blocked in it.
 
 One thread per process serves every watched call, with a heap of expiry times;
 it starts on the first `watch` (and again in a forked child).
@@ -13,11 +17,14 @@ it starts on the first `watch` (and again in a forked child).
 
 import heapq
 import itertools
+import logging
 import os
 import threading
 import time
 
 import grpc
+
+_logger = logging.getLogger(__name__)
 
 # The slack given to gRPC's own deadline before the watchdog cancels a call: a
 # call that ends by itself is never cancelled, and a hung one fails at most
@@ -123,7 +130,10 @@ class Watchdog:
                     self._condition.wait(self._heap[0][0] - now if self._heap else None)
             # Cancelling runs gRPC callbacks: never under the lock.
             for watch in expired:
-                watch._cancel()
+                try:
+                    watch._cancel()
+                except Exception:  # one failed cancel must not end the watch over every other call
+                    _logger.exception("kdist: cancelling an RPC past its deadline failed")
 
 
 class CallCancelled(Exception):
