@@ -22,14 +22,6 @@ from kdist import atomic_files
 from kdist.keras import _compat
 
 
-def split_filepath(args, kwargs):
-    """`(filepath, other positional args, other keyword args)` of a save call's `args`/`kwargs`."""
-    kwargs = dict(kwargs)
-    if args:
-        return args[0], tuple(args[1:]), kwargs
-    return kwargs.pop("filepath"), (), kwargs
-
-
 def save(method, model, args, kwargs):
     """Calls `method(model, *args, **kwargs)` (a Keras save function) so that the file is replaced atomically.
 
@@ -41,17 +33,26 @@ def save(method, model, args, kwargs):
     Returns:
         What `method` returned.
     """
-    filepath, rest, kwargs = split_filepath(args, kwargs)
-    overwrite = kwargs.pop("overwrite", True)
+    try:
+        bound = inspect.signature(method).bind(model, *args, **kwargs)
+    except TypeError:
+        return method(model, *args, **kwargs)  # Keras reports the bad call itself
+    arguments = bound.arguments
+    filepath, overwrite = arguments["filepath"], arguments.get("overwrite", True)
     direct = (
         atomic_files.is_remote(filepath)
-        or kwargs.get("zipped") is False
-        or kwargs.get("max_shard_size") is not None
-        or (not overwrite and os.path.exists(os.fspath(filepath)))
+        or arguments.get("zipped") is False
+        or arguments.get("max_shard_size") is not None
+        or (not overwrite and os.path.exists(os.fspath(filepath)))  # Keras asks the user
     )
     if direct:
-        return method(model, filepath, *rest, overwrite=overwrite, **kwargs)
-    return atomic_files.write_via(filepath, lambda temporary: method(model, temporary, *rest, overwrite=True, **kwargs))
+        return method(*bound.args, **bound.kwargs)
+
+    def write_to(temporary):
+        arguments["filepath"], arguments["overwrite"] = temporary, True
+        return method(*bound.args, **bound.kwargs)
+
+    return atomic_files.write_via(filepath, write_to)
 
 
 def write_backup(callback, save_weights, extra_metadata=None):

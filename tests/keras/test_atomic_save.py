@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kdist import atomic_files
+from kdist.keras import atomic_save
 from tests import harness
 from tests.keras.workers import failing_saves
 
@@ -96,3 +97,19 @@ def test_a_failed_backup_on_the_coordinator_keeps_the_previous_backup_and_the_re
     # The same fit, run again, restores epoch 1's backup and trains epochs 1 and 2.
     run_worker("coordinator_resume", tmp_path)
     assert json.loads((tmp_path / "coordinator_resume.json").read_text())["resumed_epochs"] == [1, 2]
+
+
+def test_save_takes_the_arguments_keras_takes_and_leaves_only_the_target(tmp_path):
+    model = _plain_model()
+    path = tmp_path / "model.keras"
+    for args, kwargs in (((path,), {}), ((str(path), True), {}), ((), {"filepath": path, "overwrite": True})):
+        atomic_save.save(keras.Model.save, model, args, kwargs)
+        assert_weights_equal(keras.saving.load_model(path), model.get_weights())
+    atomic_save.save(keras.Model.save_weights, model, (tmp_path / "model.weights.h5",), {"overwrite": True})
+    assert sorted(os.listdir(tmp_path)) == ["model.keras", "model.weights.h5"]
+    # Sharded weights are several files: written directly, under their own names.
+    atomic_save.save(keras.Model.save_weights, model, (tmp_path / "sharded.weights.json",), {"max_shard_size": 0.001})
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(atomic_files.TEMPORARY_PREFIX)]
+    plain = _plain_model()
+    plain.load_weights(tmp_path / "sharded.weights.json")
+    assert_weights_equal(plain, model.get_weights())
