@@ -144,10 +144,29 @@ class ParameterServerError(KdistError, RuntimeError):
 
 
 class UnauthenticatedError(ParameterServerError):
-    """A parameter server refused a call without the right token (`UNAUTHENTICATED`).
+    """A parameter server refused a call that did not prove the cluster secret (`UNAUTHENTICATED`).
 
-    Fatal: give the client the server's token (`Security(token=...)`).
+    Fatal: give every task the same secret (run under `kdist launch`, or set
+    `KDIST_SECRET_FILE` on every host; `docs/parameter_server.md`, Security).
     """
+
+
+class PeerAuthenticationError(KdistError, ConnectionError):
+    """The server at an address did not prove it holds the cluster secret.
+
+    Fatal: it may be an impostor (a process that took a dead server's port),
+    a server with another secret, or one running with authentication off. The
+    client sent it no proof and read none of its replies.
+
+    Attributes:
+        address: the server's `"host:port"`.
+        reason: what went wrong.
+    """
+
+    def __init__(self, address, reason):
+        super().__init__(f"The server at {address} is not trusted: {reason}.")
+        self.address = address
+        self.reason = reason
 
 
 class WorkerUnavailableError(KdistError, ConnectionError):

@@ -10,6 +10,14 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 # (grpc/grpc#43055). Must be set before grpc is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
+# Every kdist service refuses callers without the cluster secret. The tests'
+# servers, clients and child processes (which inherit this environment) share one
+# secret per run, as the tasks of a `kdist launch` job do; tests of refusals give
+# other secrets or none explicitly.
+import secrets  # noqa: E402
+
+os.environ.setdefault("KDIST_SECRET", secrets.token_urlsafe(32))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

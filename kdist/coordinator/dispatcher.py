@@ -15,8 +15,10 @@ from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
 from kdist.coordinator.remote_value import RemoteValue, RemoteValueStatus
 from kdist.coordinator.worker_service import grpc_options
+from kdist.ps.watchdog import CallCancelled, watched_call
 from kdist.errors import (
     ParameterServerUnavailableError,
+    PeerAuthenticationError,
     RemoteFunctionError,
     RemoteTraceback,
     WorkerError,
@@ -59,14 +61,16 @@ class Dispatcher:
         reconnect_ms = max(100, int(coordinator._worker_retry_seconds * 1000))
         options = grpc_options() + [
             ("grpc.enable_http_proxy", 0),
+            # No channel retries: with them a call whose server died could block
+            # past its deadline (a lost worker's closure is retried elsewhere anyway).
+            ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
             ("grpc.max_reconnect_backoff_ms", reconnect_ms),
-        ] + list(security.channel_options())
-        credentials = security.channel_credentials()
-        self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
-                         else grpc.secure_channel(address, credentials, options=options))
+        ]
+        # Proves the cluster secret and checks the worker's proof (kdist.ps.auth).
+        self._channel = security.open_channel(address, options)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
-        self._metadata = tuple(security.call_metadata())
+        self._metadata = ()
         self.instance_id = None
         # Ids of the resources defined in our session there; None until the
         # session is open (a Define opens it, even with no resources).
@@ -123,7 +127,12 @@ class Dispatcher:
     def _connect(self):
         """Asks the worker who it is; on a new instance, forgets what was defined there (under the lock)."""
         try:
-            response = self._stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_SECONDS, metadata=self._metadata)
+            # Under the watchdog: a Health that outlives its deadline is cancelled.
+            response = watched_call(self._stub.Health, False, pb.HealthRequest(),
+                                    timeout=HEALTH_TIMEOUT_SECONDS, metadata=self._metadata)
+        except CallCancelled:
+            self.available = False
+            return False
         except ValueError:
             # `shutdown()` closed the channel while this thread was between checks.
             if self.coordinator._stopped.is_set():
@@ -133,6 +142,12 @@ class Dispatcher:
         except grpc.RpcError as error:
             if error.code() not in _WORKER_LOST:
                 self.coordinator._queue.fail(WorkerError(self.address, error.code().name, error.details()))
+            self.available = False
+            return False
+        except PeerAuthenticationError as error:
+            # Something that cannot prove the cluster secret answers at this worker's
+            # address: nothing was sent to it; the job fails with the typed error.
+            self.coordinator._queue.fail(error)
             self.available = False
             return False
         if response.instance_id != self.instance_id:

@@ -313,4 +313,5 @@ def create_worker_server(address, cluster_spec, task_index, *, security=None):
     if not port:
         raise InvalidArgumentError(f"Cannot bind the worker service to {address!r}. Use a free port (0 picks one).")
     server.start()
+    security.check_exposure("worker", host, port)
     return WorkerServer(server, servicer, host, port)

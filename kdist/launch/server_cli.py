@@ -39,16 +39,21 @@ examples:
   # worker 0 of the same cluster: runs what the chief's ClusterCoordinator schedules
   kdist server --job worker --index 0 --cluster cluster.json --bind 0.0.0.0
 
-  # the task TF_CONFIG describes, with TLS and a shared token:
+  # the task TF_CONFIG describes, with TLS and the cluster secret from a file:
   TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' \\
-    kdist server --bind 0.0.0.0 --token-file token.txt --tls-cert ps.pem --tls-key ps.key
+    kdist server --bind 0.0.0.0 --token-file secret.txt --tls-cert ps.pem --tls-key ps.key
 
 security:
-  Without --bind the server listens on 127.0.0.1 only (this host). The token file
-  holds one line; clients send it with every call (kdist.ps.Security(token=...)) and
-  calls without it are refused. --tls-cert/--tls-key turn TLS on; --tls-ca then
-  also requires client certificates signed by that CA (mutual TLS). Without TLS the
-  token crosses the network in clear text.
+  Every server needs the cluster secret, the same on every task: --token-file FILE,
+  or the variable KDIST_SECRET_FILE (a file holding it; kdist launch sets it) or
+  KDIST_SECRET. Servers and clients prove to each other that they hold it
+  (HMAC challenge-response); it never crosses the network, and calls that do not
+  prove it are refused before anything in them is read. --insecure serves anyone
+  who can reach the server instead: on a worker that is running their code, on a
+  ps reading and overwriting the variables. Without --bind the server listens on
+  127.0.0.1 only (this host). --tls-cert/--tls-key turn TLS on; --tls-ca then also
+  requires client certificates signed by that CA (mutual TLS). Without TLS the
+  traffic can be read on the network.
 
 output and exit:
   One line on stdout once serving: "[kdist] serving ps:0 at HOST:PORT (...)"
@@ -100,7 +105,13 @@ def add_parser(commands, count_type, seconds_type):
         help="listen on HOST (the task's port) or HOST:PORT, e.g. 0.0.0.0 (default: 127.0.0.1)",
     )
     security = parser.add_argument_group("security")
-    security.add_argument("--token-file", metavar="FILE", help="file holding the shared token")
+    security.add_argument(
+        "--token-file", metavar="FILE",
+        help="file holding the cluster secret (default: $KDIST_SECRET_FILE or $KDIST_SECRET)")
+    security.add_argument(
+        "--insecure", action="store_true",
+        help="serve without the cluster secret: anyone who reaches it can run code on a worker "
+        "or overwrite a ps's variables")
     security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate of this server")
     security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     security.add_argument(
@@ -139,6 +150,7 @@ def prepare(args, environ=None):
             "evaluator runs kdist.SidecarEvaluator; neither serves."
         )
     from kdist.distribute.server import resolve_bind_address
+    from kdist.ps.secret import SECRET_ENV, SECRET_FILE_ENV, environment_secret
     from kdist.ps.security import Security, load_token
 
     task_address = cluster_spec.task_address(job_name, task_index)
@@ -154,12 +166,28 @@ def prepare(args, environ=None):
             "--tls-ca requires client certificates (mutual TLS), which needs the server's own "
             f"--tls-cert and --tls-key. Received: --tls-ca {args.tls_ca} alone."
         )
-    security = Security(
-        token=None if args.token_file is None else load_token(args.token_file),
-        certificate_file=args.tls_cert,
-        private_key_file=args.tls_key,
-        ca_file=args.tls_ca,
-    )
+    tls = dict(certificate_file=args.tls_cert, private_key_file=args.tls_key, ca_file=args.tls_ca)
+    if args.insecure:
+        if args.token_file is not None:
+            raise InvalidArgumentError(
+                "--insecure turns the cluster secret off, so --token-file has no use. Received: "
+                f"--insecure and --token-file {args.token_file}. Give one or the other."
+            )
+        security = Security.insecure(**tls)
+    elif args.token_file is not None:
+        security = Security(token=load_token(args.token_file), **tls)
+    else:
+        environ = os.environ if environ is None else environ
+        token = environment_secret(environ)
+        if token is None:
+            raise InvalidArgumentError(
+                "kdist server needs the cluster secret, the same on every task, so that strangers "
+                f"cannot call it. Received: no --token-file, and neither {SECRET_FILE_ENV} nor "
+                f"{SECRET_ENV} is set. Expected one of them (kdist launch sets {SECRET_FILE_ENV} "
+                "for its tasks), or --insecure on a network where every process is trusted."
+            )
+        # Read now (exit 2 on a bad secret); the token is the environment's secret.
+        security = Security(token=token, **tls)
     options = None
     if args.max_staleness is not None:
         from kdist.ps import ServiceOptions
@@ -308,10 +336,8 @@ def _exposure_warnings(plan, server):
                 "hosts cannot connect; pass --bind 0.0.0.0 to accept them"
             )
         return
-    if plan.security.token is None:
-        yield f"listening on {host} without a token: anyone who can reach it can change variables"
-    if not plan.security.server_tls:
-        yield f"listening on {host} without TLS: traffic (and any token) is not encrypted"
+    # Running without the secret, or beyond this host without TLS, is logged by the
+    # server itself (kdist.ps.Security.check_exposure), for every way of starting one.
 
 
 def _is_loopback(host):
@@ -327,7 +353,7 @@ def _describe(security):
     tls = "TLS off"
     if security.server_tls:
         tls = "mutual TLS" if security.ca_file is not None else "TLS"
-    return f"{tls}, token {'on' if security.token is not None else 'off'}"
+    return f"{tls}, cluster secret {'on' if security.authenticate else 'OFF (--insecure)'}"
 
 
 def _say(message, stream):

@@ -89,13 +89,10 @@ class VariableClient:
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
-        ] + list(security.channel_options())
-        credentials = security.channel_credentials()
-        if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=channel_options)
-        else:
-            self._channel = grpc.secure_channel(address, credentials, options=channel_options)
-        self._metadata = tuple(security.call_metadata())
+        ]
+        # Proves the cluster secret and checks the server's proof (kdist.ps.auth).
+        self._channel = security.open_channel(address, channel_options)
+        self._metadata = ()
         self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}
         self._connected = False  # set by the first call that succeeds
         self._closed = threading.Event()  # wakes a retry's backoff on close()

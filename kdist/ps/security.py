@@ -1,34 +1,45 @@
-"""`Security`: TLS and a shared token for the variable service.
+"""`Security`: who may call a kdist service, and TLS.
 
-Two independent protections, each optional:
+Two protections:
 
-- **TLS** encrypts the connection and proves the server's identity. A server
-  serves TLS when it has `certificate_file` and `private_key_file`; with a
-  `ca_file` as well it also requires every client to present a certificate
-  that chains to that CA (mutual TLS). A client speaks TLS when it has a
-  `ca_file` (the roots the server's certificate must chain to); its own
-  `certificate_file`/`private_key_file`, when set, are its client certificate.
-- **A shared token**: the client sends it as `kdist-token` call metadata on
-  every call; the server refuses a call whose token is missing or wrong with
-  `UNAUTHENTICATED` before any handler runs, so such a call changes nothing.
-  Without TLS the token travels in clear text: use both on untrusted networks.
-
-One `Security` value can describe both ends of a cluster (every task gets the
-same certificate, key, CA and token), or each end gets its own.
+- **The cluster secret (on by default).** Servers and clients prove to each
+  other that they hold the same secret before either trusts the other, with an
+  HMAC challenge-response over fresh nonces in both directions
+  (`kdist.ps.auth`); the secret never crosses the wire. A server refuses every
+  call without a valid proof with `UNAUTHENTICATED`, before anything in the
+  request is read; a client refuses a server that cannot prove the secret,
+  before it sends it anything or reads its replies. The secret comes from, in
+  order: `Security(token=...)`, the variable `KDIST_SECRET` (the secret),
+  the variable `KDIST_SECRET_FILE` (a file holding it; `kdist launch` writes
+  a fresh one per job, mode 0600), or else a secret drawn for this process and
+  kept in memory: a cluster inside one process works with no configuration,
+  and no other process can call it. `Security.insecure()` turns all of this
+  off, for a trusted network only.
+- **TLS** encrypts the connection and proves the server's certificate. A
+  server serves TLS when it has `certificate_file` and `private_key_file`;
+  with a `ca_file` as well it requires client certificates (mutual TLS). A
+  client speaks TLS when it has a `ca_file`. Without TLS, an observer on the
+  network can read the traffic (but not learn the secret or pose as a server):
+  use TLS across networks you do not trust.
 """
 
 import dataclasses
-import hashlib
-import hmac
+import ipaddress
+import logging
 import os
 
 import grpc
 
 from kdist.errors import InvalidArgumentError
+from kdist.ps.secret import (  # noqa: F401  (load_token: public here too)
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    _check_token,
+    cluster_secret,
+    load_token,
+)
 
-TOKEN_METADATA_KEY = "kdist-token"
-# A token is sent as an ASCII gRPC metadata value: printable characters only.
-_TOKEN_CHARACTERS = frozenset(chr(code) for code in range(0x21, 0x7F))
+_LOG = logging.getLogger("kdist.security")
 # Larger files are not certificates or keys; refusing them early avoids reading
 # a wrongly-named multi-gigabyte file into memory.
 _MAX_PEM_BYTES = 1 << 20
@@ -39,21 +50,26 @@ _PEM_MARKERS = {
                          b"-----BEGIN EC PRIVATE KEY-----"),
 }
 _UNAUTHENTICATED_DETAIL = (
-    f"the call's {TOKEN_METADATA_KEY!r} metadata is missing or wrong; give the client the "
-    "server's token (Security(token=...), or kdist server --token-file)"
+    "the call did not prove the cluster secret. Every task of a cluster needs the same "
+    f"secret: run them under `kdist launch`, or set {SECRET_FILE_ENV} (a file holding the "
+    f"secret) or {SECRET_ENV} on every task, or pass Security(token=...) to both ends "
+    "(docs/parameter_server.md, Security)"
 )
+_warned = set()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Security:
-    """TLS files and a shared token for a variable-service server or client.
+    """Who may call a kdist service (the cluster secret) and TLS, for a server or a client.
 
-    Every field is optional; `Security()` means plain text and no token (fine
-    on loopback, the default bind address).
+    `Security()` is the safe default: the cluster secret from the environment
+    (`KDIST_SECRET`, `KDIST_SECRET_FILE`) or this process's own, and plain
+    text (fine on loopback, the default bind address).
 
     Args:
-        token: a shared secret, printable ASCII without spaces. A server
-            refuses calls that do not carry it; a client sends it on every call.
+        token: the cluster secret, printable ASCII without spaces (None: from
+            the environment, else this process's own). Both ends prove they
+            hold it; it is never sent.
         certificate_file: PEM certificate (chain). Server: its TLS certificate.
             Client: its client certificate for mutual TLS.
         private_key_file: the PEM private key of `certificate_file`; set both or
@@ -65,19 +81,21 @@ class Security:
             against instead of the host in the address (e.g. when connecting
             to an IP address with a certificate issued for a host name).
             Requires `ca_file`.
+        authenticate: False turns the secret off (use `Security.insecure()`):
+            a server then serves anyone who can reach it.
 
     Raises:
         kdist.errors.InvalidArgumentError: a token that is not a non-empty
             printable-ASCII string, a file that does not exist, is not
             readable or is not PEM of the expected kind, only one of
-            `certificate_file`/`private_key_file`, or `server_name` without
-            `ca_file`.
+            `certificate_file`/`private_key_file`, `server_name` without
+            `ca_file`, or a token with `authenticate=False`.
 
     Example:
 
-    >>> server_side = Security(token="s3cret", certificate_file="server.pem",
+    >>> server_side = Security(certificate_file="server.pem",
     ...                        private_key_file="server.key")  # doctest: +SKIP
-    >>> client_side = Security(token="s3cret", ca_file="ca.pem")  # doctest: +SKIP
+    >>> client_side = Security(ca_file="ca.pem")  # doctest: +SKIP
     >>> server = kdist.ps.create_server(security=server_side)  # doctest: +SKIP
     """
 
@@ -86,10 +104,30 @@ class Security:
     private_key_file: str | None = None
     ca_file: str | None = None
     server_name: str | None = None
+    authenticate: bool = True
+
+    @classmethod
+    def insecure(cls, **tls_files):
+        """A `Security` without the cluster secret: a server serves anyone who reaches it.
+
+        On a worker that means anyone can run code in it; on a parameter server,
+        anyone can read and overwrite the variables. Use it only where every
+        process that can reach the address is trusted. TLS files may still be given.
+        """
+        return cls(authenticate=False, **tls_files)
 
     def __post_init__(self):
+        if not isinstance(self.authenticate, bool):
+            raise InvalidArgumentError(
+                f"authenticate must be True or False. Received: authenticate={self.authenticate!r}."
+            )
         if self.token is not None:
             _check_token(self.token, "token")
+            if not self.authenticate:
+                raise InvalidArgumentError(
+                    "A token is the cluster secret, which Security.insecure() turns off: give one "
+                    "or the other. Received: a token and authenticate=False."
+                )
         for name in ("certificate_file", "private_key_file", "ca_file"):
             path = getattr(self, name)
             if path is not None:
@@ -185,132 +223,80 @@ class Security:
             return []
         return [("grpc.ssl_target_name_override", self.server_name)]
 
+    def secret(self):
+        """Returns the cluster secret as bytes, or None when authentication is off.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: `KDIST_SECRET` or the file named
+                by `KDIST_SECRET_FILE` holds no valid secret.
+        """
+        if not self.authenticate:
+            return None
+        if self.token is not None:
+            return self.token.encode("ascii")
+        return cluster_secret()
+
     def server_interceptors(self):
-        """Returns the interceptors a server installs: the token check when a token is set."""
-        return [] if self.token is None else [TokenInterceptor(self.token)]
+        """Returns the interceptors a server installs: the secret's check unless insecure."""
+        from kdist.ps.auth import ServerAuthenticator
 
-    def call_metadata(self):
-        """Returns the metadata a client sends with every call: `(("kdist-token", token),)`."""
-        return () if self.token is None else ((TOKEN_METADATA_KEY, self.token),)
+        secret = self.secret()
+        return [] if secret is None else [ServerAuthenticator(secret, _UNAUTHENTICATED_DETAIL)]
+
+    def open_channel(self, address, options=()):
+        """Returns a channel to `address` that proves the secret and checks the server's proof.
+
+        Args:
+            address: the server's `"host:port"`.
+            options: `grpc` channel options.
+        """
+        options = list(options) + self.channel_options()
+        credentials = self.channel_credentials()
+        channel = (grpc.insecure_channel(address, options=options) if credentials is None
+                   else grpc.secure_channel(address, credentials, options=options))
+        secret = self.secret()
+        if secret is None:
+            return channel
+        from kdist.ps.auth_client import ClientAuthenticator
+
+        authenticator = ClientAuthenticator(channel, secret, address, tls=credentials is not None)
+        return grpc.intercept_channel(channel, authenticator)
+
+    def check_exposure(self, service, host, port):
+        """Logs, once per process and kind, what a server bound at `host` exposes.
+
+        Args:
+            service: what is served, for people: "parameter server", "worker".
+            host: the bound host.
+            port: the bound port.
+        """
+        if not self.authenticate:
+            risk = ("anyone who can reach it can run code in this process" if service == "worker"
+                    else "anyone who can reach it can read and overwrite its variables")
+            _warn_once(("insecure", service),
+                       f"kdist: the {service} at {host}:{port} runs without the cluster secret "
+                       f"(Security.insecure() / --insecure): {risk}.")
+        if not self.server_tls and not _is_loopback(host):
+            _warn_once(("plain", service),
+                       f"kdist: the {service} at {host}:{port} listens beyond this machine without "
+                       "TLS: its traffic (weights, closures) can be read on the network. The "
+                       "cluster secret still keeps strangers out; give Security TLS files to "
+                       "encrypt (docs/parameter_server.md, Security).")
 
 
-def load_token(path):
-    """Reads a token from a file; surrounding whitespace (a trailing newline) is dropped.
-
-    Args:
-        path: the file holding the token.
-
-    Returns:
-        The token, a non-empty printable-ASCII string.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: the file cannot be read, or holds no
-            valid token.
-
-    Example:
-
-    >>> Security(token=load_token("/etc/kdist/token"))  # doctest: +SKIP
-    """
+def _is_loopback(host):
+    if host in ("localhost", ""):
+        return host == "localhost"
     try:
-        with open(path, "rb") as file:
-            data = file.read(_MAX_PEM_BYTES + 1)
-    except OSError as error:
-        raise InvalidArgumentError(
-            f"Cannot read the token file: {error.strerror or error}. Received: path={path!r}. "
-            "Expected a readable file holding the token."
-        ) from None
-    try:
-        token = data.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise InvalidArgumentError(
-            f"The token file is not ASCII text. Received: path={path!r}. Expected one line of "
-            "printable ASCII characters."
-        ) from None
-    _check_token(token, f"the token in {path!r}", show=False)
-    return token
-
-
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without the right `kdist-token` metadata with `UNAUTHENTICATED`.
-
-    The check runs when the call arrives, before the method's handler (and before
-    a streaming request is read), for every kind of method. The comparison takes
-    the same time wherever the tokens differ (`hmac.compare_digest` of SHA-256
-    digests, so not even the token's length leaks).
-    Thread-safe: it holds only the immutable expected token.
-
-    Args:
-        token: the expected token.
-    """
-
-    def __init__(self, token):
-        _check_token(token, "token")
-        self._expected = _digest(token.encode("ascii"))
-
-    def intercept_service(self, continuation, handler_call_details):
-        supplied = [
-            value
-            for key, value in (handler_call_details.invocation_metadata or ())
-            if key == TOKEN_METADATA_KEY
-        ]
-        if len(supplied) == 1 and _token_matches(supplied[0], self._expected):
-            return continuation(handler_call_details)
-        # Looking the handler up runs none of its code; it only tells which
-        # kind of handler (unary or streaming) the refusal must be.
-        return _refusal(continuation(handler_call_details))
-
-
-def _digest(token_bytes):
-    # Comparing fixed-size digests hides the token's length as well as its content.
-    return hashlib.sha256(token_bytes).digest()
-
-
-def _token_matches(supplied, expected_digest):
-    if isinstance(supplied, str):
-        supplied = supplied.encode("utf-8", "replace")
-    if not isinstance(supplied, bytes):
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
         return False
-    return hmac.compare_digest(_digest(supplied), expected_digest)
 
 
-def _refuse(request_or_iterator, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED_DETAIL)
-
-
-def _refuse_streaming(request_or_iterator, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED_DETAIL)
-    yield  # Unreachable: makes this a generator, as streaming responses are.
-
-
-def _refusal(handler):
-    # Requests are left undeserialized: nothing from an unauthenticated caller
-    # is parsed.
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(_refuse)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_refuse_streaming)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_refuse)
-    return grpc.unary_stream_rpc_method_handler(_refuse_streaming)
-
-
-def _check_token(token, name, show=True):
-    received = f"{name}={token!r}" if show or not isinstance(token, str) else name
-    if not isinstance(token, str) or not token:
-        raise InvalidArgumentError(
-            f"A token must be a non-empty string. Received: {received}. Expected a shared "
-            "secret such as the output of `python -c 'import secrets; "
-            "print(secrets.token_urlsafe())'`."
-        )
-    bad = sorted({character for character in token if character not in _TOKEN_CHARACTERS})
-    if bad:
-        # Tokens travel as gRPC metadata, which allows printable ASCII only.
-        # The message names the offending characters, never the secret itself.
-        raise InvalidArgumentError(
-            f"A token may contain printable ASCII characters only, no spaces. Received: a token "
-            f"in {name} with {len(token)} characters including {''.join(bad)!r}. Expected e.g. "
-            "the output of `python -c 'import secrets; print(secrets.token_urlsafe())'`."
-        )
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        _LOG.warning(message)
 
 
 def _check_pem_file(name, path):

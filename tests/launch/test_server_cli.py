@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kdist.cluster import ClusterSpec
+from kdist.errors import InvalidArgumentError
 from kdist.launch import cli, server_cli
 from tests import harness
 from tests.ps.certs_fixture import certificates  # noqa: F401 (a fixture)
@@ -31,7 +32,8 @@ def write_cluster(tmp_path, cluster, name="cluster.json"):
 
 def parse(argv, environ=None):
     args = cli.build_parser().parse_args(argv)
-    return server_cli.prepare(args, environ=environ if environ is not None else {})
+    environ = {"KDIST_SECRET": TOKEN} if environ is None else environ
+    return server_cli.prepare(args, environ=environ)
 
 
 def usage_error(argv, capsys, monkeypatch, tf_config=None):
@@ -54,8 +56,23 @@ def test_cluster_file_and_task(tmp_path):
         {"ps": ["127.0.0.1:2222", "127.0.0.1:2223"], "worker": ["h:1"]}
     )
     assert (plan.job_name, plan.task_index, plan.bind_address) == ("ps", 1, None)
-    assert plan.security.token is None and not plan.security.server_tls
+    assert plan.security.token == TOKEN and not plan.security.server_tls  # from KDIST_SECRET
     assert plan.options is None
+
+
+def test_the_cluster_secret_is_required_unless_insecure(tmp_path):
+    path = write_cluster(tmp_path, {"ps": ["127.0.0.1:2222"]})
+    argv = ["server", "--job", "ps", "--index", "0", "--cluster", path]
+    with pytest.raises(InvalidArgumentError, match="needs the cluster secret") as refused:
+        parse(argv, environ={})
+    assert "--insecure" in str(refused.value)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(TOKEN + "\n")
+    assert parse(argv, environ={"KDIST_SECRET_FILE": str(secret_file)}).security.token == TOKEN
+    insecure = parse([*argv, "--insecure"], environ={}).security
+    assert not insecure.authenticate and insecure.secret() is None
+    with pytest.raises(InvalidArgumentError, match="--insecure and --token-file"):
+        parse([*argv, "--insecure", "--token-file", str(secret_file)], environ={})
 
 
 def test_cluster_file_may_hold_a_whole_tf_config(tmp_path):
@@ -68,9 +85,10 @@ def test_cluster_file_may_hold_a_whole_tf_config(tmp_path):
 
 def test_tf_config_gives_cluster_and_task():
     tf_config = {"cluster": {"ps": ["h:2222", "h:2223"]}, "task": {"type": "ps", "index": 1}}
-    plan = parse(["server"], {"TF_CONFIG": json.dumps(tf_config)})
+    environ = {"TF_CONFIG": json.dumps(tf_config), "KDIST_SECRET": TOKEN}
+    plan = parse(["server"], environ)
     assert (plan.job_name, plan.task_index) == ("ps", 1)
-    plan = parse(["server", "--index", "0"], {"TF_CONFIG": json.dumps(tf_config)})
+    plan = parse(["server", "--index", "0"], environ)
     assert (plan.job_name, plan.task_index) == ("ps", 0)
 
 
@@ -191,7 +209,7 @@ def test_server_serves_until_sigterm(tmp_path):
     with harness.start([spec]) as processes:
         address, description = serving_address(processes)
         assert address == f"127.0.0.1:{port}"
-        assert description == "TLS off, token off"
+        assert description == "TLS off, cluster secret on"
         with make_client(address) as client:
             client.create([VariableInit("w", np.arange(4, dtype="float32"))])
             [state] = client.pull(["w"])
@@ -217,9 +235,9 @@ def test_server_from_tf_config_with_token_and_tls(tmp_path, certificates):
     )
     with harness.start([spec]) as processes:
         address, description = serving_address(processes)
-        assert address == f"0.0.0.0:{port}" and description == "TLS, token on"
+        assert address == f"0.0.0.0:{port}" and description == "TLS, cluster secret on"
         target = f"localhost:{port}"
-        with make_client(target, Security(ca_file=certificates.ca_cert)) as anonymous:
+        with make_client(target, Security.insecure(ca_file=certificates.ca_cert)) as anonymous:
             with pytest.raises(UnauthenticatedError):
                 anonymous.create([VariableInit("w", np.zeros(2, dtype="float32"))])
         with make_client(target, Security(token=TOKEN, ca_file=certificates.ca_cert)) as client:
@@ -235,13 +253,14 @@ def test_exposed_server_without_protection_warns_and_taken_port_fails(tmp_path):
     port = harness.free_port()
     path = write_cluster(tmp_path, {"ps": [f"localhost:{port}"]})
     argv = ["--job", "ps", "--index", "0", "--cluster", path]
-    with harness.start([server_spec([*argv, "--bind", "0.0.0.0"])]) as processes:
+    with harness.start([server_spec([*argv, "--bind", "0.0.0.0", "--insecure"])]) as processes:
         serving_address(processes)
         second = harness.run([server_spec(argv, name="ps-again")], timeout=TIMEOUT)
         processes.send_signal("ps-0", signal.SIGTERM)
         result = harness.wait(processes, TIMEOUT)
     assert result.returncodes["ps-0"] == 0, harness.format_outputs(processes)
     err = result.output("ps-0", "stderr")
-    assert "without a token" in err and "without TLS" in err
+    assert "without the cluster secret" in err and "anyone who can reach it" in err
+    assert "beyond this machine without TLS" in err
     assert second.returncodes["ps-again"] == server_cli.EXIT_FAILURE
     assert "could not start serving" in second.output("ps-again", "stderr")

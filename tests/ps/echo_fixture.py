@@ -65,18 +65,19 @@ class EchoService:
 
 
 class EchoServer:
-    def __init__(self, security):
+    def __init__(self, security, address="127.0.0.1:0"):
         self.service = EchoService()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4),
+            options=[("grpc.so_reuseport", 0)],
             interceptors=security.server_interceptors(),
         )
         self.server.add_generic_rpc_handlers((self.service.handler(),))
         credentials = security.server_credentials()
         if credentials is None:
-            self.port = self.server.add_insecure_port("127.0.0.1:0")
+            self.port = self.server.add_insecure_port(address)
         else:
-            self.port = self.server.add_secure_port("127.0.0.1:0", credentials)
+            self.port = self.server.add_secure_port(address, credentials)
         self.server.start()
 
     def stop(self):
@@ -87,8 +88,8 @@ class EchoServer:
 def serve():
     servers = []
 
-    def start(security):
-        server = EchoServer(security)
+    def start(security, address="127.0.0.1:0"):
+        server = EchoServer(security, address)
         servers.append(server)
         return server
 
@@ -97,8 +98,11 @@ def serve():
         server.stop()
 
 
-def open_channel(port, security, host="127.0.0.1"):
+def open_channel(port, security, host="127.0.0.1", authenticated=False):
+    """A channel to the echo server: raw (a stranger's), or `security`'s own when `authenticated`."""
     target = f"{host}:{port}"
+    if authenticated:
+        return security.open_channel(target)
     credentials = security.channel_credentials()
     options = security.channel_options()
     if credentials is None:

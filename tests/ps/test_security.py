@@ -1,4 +1,4 @@
-"""Tests for `kdist.ps.security`: validation, the token interceptor and TLS.
+"""Tests for `kdist.ps.security`: validation, the secret's check and TLS.
 
 The interceptor and TLS are first tested against a tiny generic gRPC service
 (one method of each kind, counting the calls that reach a handler), then
@@ -11,11 +11,12 @@ import pytest
 
 from kdist.errors import (
     InvalidArgumentError,
+    PeerAuthenticationError,
     ParameterServerUnavailableError,
     UnauthenticatedError,
 )
 from kdist.ps import Assignment, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.security import TOKEN_METADATA_KEY, Security, TokenInterceptor, load_token
+from kdist.ps.security import Security, load_token
 from tests.ps.certs_fixture import certificates  # noqa: F401 (a fixture)
 from tests.ps.echo_fixture import (  # noqa: F401 (serve is a fixture)
     CALL_TIMEOUT,
@@ -33,13 +34,13 @@ TOKEN = "correct-horse-battery-staple"
 # -- Validation ---------------------------------------------------------------------
 
 
-def test_default_is_plain_text_without_token():
+def test_default_is_plain_text_with_the_cluster_secret(monkeypatch):
     security = Security()
     assert security.server_credentials() is None
     assert security.channel_credentials() is None
-    assert security.server_interceptors() == []
-    assert security.call_metadata() == ()
     assert security.channel_options() == []
+    monkeypatch.setenv("KDIST_SECRET", TOKEN)
+    assert security.secret() == TOKEN.encode()
 
 
 @pytest.mark.parametrize("token", ["", 42, b"bytes"])
@@ -116,9 +117,15 @@ def test_server_with_ca_but_no_certificate_is_refused(certificates):
         Security(ca_file=certificates.ca_cert).server_credentials()
 
 
-def test_call_metadata_carries_the_token():
-    assert Security(token=TOKEN).call_metadata() == ((TOKEN_METADATA_KEY, TOKEN),)
+def test_the_secret_is_checked_unless_insecure():
     assert len(Security(token=TOKEN).server_interceptors()) == 1
+    assert len(Security().server_interceptors()) == 1
+    assert Security.insecure().server_interceptors() == []
+    assert Security.insecure().secret() is None
+    with pytest.raises(InvalidArgumentError, match="Received: a token and authenticate=False"):
+        Security(token=TOKEN, authenticate=False)
+    with pytest.raises(InvalidArgumentError, match="Received: authenticate='no'"):
+        Security(authenticate="no")
 
 
 def test_load_token_strips_the_newline(tmp_path):
@@ -141,46 +148,42 @@ def test_load_token_errors_do_not_echo_the_secret(tmp_path):
     assert "two words" not in str(caught.value)
 
 
-# -- The token check on a generic service -------------------------------------------
+# -- The secret's check on a generic service (the protocol itself: tests/ps/test_auth.py) --
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_the_right_token_reaches_the_handler(serve, method):
+def test_a_client_with_the_secret_reaches_the_handler(serve, method):
     server = serve(Security(token=TOKEN))
-    with open_channel(server.port, Security()) as channel:
-        response = call(channel, method, Security(token=TOKEN).call_metadata())
+    with open_channel(server.port, Security(token=TOKEN), authenticated=True) as channel:
+        response = call(channel, method)
     assert response in (b"ping", b"pingping")
     assert server.service.calls == 1
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize(
-    "metadata",
-    [(), ((TOKEN_METADATA_KEY, "wrong"),), ((TOKEN_METADATA_KEY, TOKEN + "x"),),
-     ((TOKEN_METADATA_KEY, TOKEN), (TOKEN_METADATA_KEY, "wrong")), (("other-key", TOKEN),)],
-    ids=["missing", "wrong", "longer", "twice", "other-key"],
-)
-def test_a_missing_or_wrong_token_is_refused_before_the_handler(serve, method, metadata):
+@pytest.mark.parametrize("client", ["raw", "insecure"])
+def test_a_call_without_a_proof_is_refused_before_the_handler(serve, method, client):
     server = serve(Security(token=TOKEN))
-    with open_channel(server.port, Security()) as channel:
-        code = status_of(lambda: call(channel, method, metadata))
+    security = Security.insecure()
+    with open_channel(server.port, security, authenticated=client == "insecure") as channel:
+        code = status_of(lambda: call(channel, method, (("kdist-token", TOKEN),)))
     assert code == grpc.StatusCode.UNAUTHENTICATED
     assert server.service.calls == 0
 
 
-def test_the_refusal_explains_itself_without_the_token(serve):
+def test_the_refusal_explains_itself_without_the_secret(serve):
     server = serve(Security(token=TOKEN))
-    with open_channel(server.port, Security()) as channel:
+    with open_channel(server.port, Security.insecure()) as channel:
         with pytest.raises(grpc.RpcError) as caught:
-            call(channel, "Unary", ((TOKEN_METADATA_KEY, "wrong"),))
-    assert TOKEN_METADATA_KEY in caught.value.details()
+            call(channel, "Unary")
+    assert "KDIST_SECRET_FILE" in caught.value.details()
     assert TOKEN not in caught.value.details()
 
 
 @pytest.mark.parametrize("method", ["Unary", "StreamStream"])
 def test_unknown_methods_are_refused_too(serve, method):
     server = serve(Security(token=TOKEN))
-    with open_channel(server.port, Security()) as channel:
+    with open_channel(server.port, Security.insecure()) as channel:
         path = f"/{SERVICE}/Missing"
         if method == "Unary":
             code = status_of(lambda: channel.unary_unary(path)(b"x", timeout=CALL_TIMEOUT))
@@ -191,17 +194,13 @@ def test_unknown_methods_are_refused_too(serve, method):
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_interceptor_rejects_an_invalid_expected_token():
-    with pytest.raises(InvalidArgumentError):
-        TokenInterceptor("")
-
-
 # -- TLS on a generic service ---------------------------------------------------------
 
 
 def server_security(certificates, mutual=False, token=None):
-    return Security(
-        token=token,
+    """TLS, with the secret `token`; TLS alone (Security.insecure) without one."""
+    make = Security.insecure if token is None else (lambda **files: Security(token=token, **files))
+    return make(
         certificate_file=certificates.server_cert,
         private_key_file=certificates.server_key,
         ca_file=certificates.ca_cert if mutual else None,
@@ -211,17 +210,18 @@ def server_security(certificates, mutual=False, token=None):
 def test_tls_client_with_the_ca_connects(serve, certificates):
     server = serve(server_security(certificates, token=TOKEN))
     client = Security(token=TOKEN, ca_file=certificates.ca_cert)
-    with open_channel(server.port, client, host="localhost") as channel:
-        assert call(channel, "Unary", client.call_metadata()) == b"ping"
-    with open_channel(server.port, client) as channel:  # 127.0.0.1 is in the certificate.
-        assert call(channel, "StreamStream", client.call_metadata()) == b"pingping"
+    with open_channel(server.port, client, host="localhost", authenticated=True) as channel:
+        assert call(channel, "Unary") == b"ping"
+    # 127.0.0.1 is in the certificate.
+    with open_channel(server.port, client, authenticated=True) as channel:
+        assert call(channel, "StreamStream") == b"pingping"
     assert server.service.calls == 2
 
 
-def test_tls_needs_the_token_too(serve, certificates):
+def test_tls_needs_the_secret_too(serve, certificates):
     server = serve(server_security(certificates, token=TOKEN))
-    client = Security(ca_file=certificates.ca_cert)
-    with open_channel(server.port, client) as channel:
+    client = Security.insecure(ca_file=certificates.ca_cert)
+    with open_channel(server.port, client, authenticated=True) as channel:
         assert status_of(lambda: call(channel, "Unary")) == grpc.StatusCode.UNAUTHENTICATED
     assert server.service.calls == 0
 
@@ -308,11 +308,10 @@ def assert_unchanged(client):
     assert state.version == 0
 
 
-@pytest.mark.parametrize("token", [None, "wrong-token"], ids=["no-token", "wrong-token"])
-def test_variable_service_refuses_a_client_without_the_token(variable_server, token):
+def test_variable_service_refuses_a_client_without_the_secret(variable_server):
     server = variable_server(Security(token=TOKEN))
     with client_of(server, Security(token=TOKEN)) as good, client_of(
-        server, Security(token=token)
+        server, Security.insecure()
     ) as bad:
         good.create([VariableInit("w", VALUE)])
         attempts = [
@@ -345,29 +344,53 @@ def test_plain_text_client_cannot_reach_a_tls_variable_server(variable_server, c
     with client_of(server, Security(token=TOKEN, ca_file=certificates.ca_cert)) as good:
         good.create([VariableInit("w", VALUE)])
         with client_of(server, Security(token=TOKEN), options=REFUSED) as plain:
-            with pytest.raises(ParameterServerUnavailableError):
+            with pytest.raises(PeerAuthenticationError, match="TLS"):
                 plain.assign([Assignment("w", np.zeros_like(VALUE))])
         rogue_security = Security(token=TOKEN, ca_file=certificates.rogue_ca_cert)
         with client_of(server, rogue_security, options=REFUSED) as rogue:
-            with pytest.raises(ParameterServerUnavailableError):
+            with pytest.raises(PeerAuthenticationError, match="TLS"):
                 rogue.assign([Assignment("w", np.zeros_like(VALUE))])
         assert_unchanged(good)
     assert server.stats().requests.get("assign", 0) == 0
 
 
 def test_variable_service_with_mutual_tls(variable_server, certificates):
-    server = variable_server(server_security(certificates, mutual=True))
+    server = variable_server(server_security(certificates, mutual=True, token=TOKEN))
     with client_of(
         server,
         Security(
+            token=TOKEN,
             ca_file=certificates.ca_cert,
             certificate_file=certificates.client_cert,
             private_key_file=certificates.client_key,
         ),
     ) as client:
         client.create([VariableInit("w", VALUE)])
-        anonymous_security = Security(ca_file=certificates.ca_cert)
+        anonymous_security = Security(token=TOKEN, ca_file=certificates.ca_cert)
         with client_of(server, anonymous_security, options=REFUSED) as anonymous:
             with pytest.raises(ParameterServerUnavailableError):
                 anonymous.assign([Assignment("w", np.zeros_like(VALUE))])
         assert_unchanged(client)
+
+
+@pytest.mark.parametrize("mismatch", ["plain-client-tls-server", "tls-client-plain-server", "other-ca"])
+def test_a_tls_mismatch_fails_fast_and_says_tls(variable_server, certificates, mismatch):
+    """Without the quick look, these wait for the whole first-call deadline (here 61 s)."""
+    import time
+
+    tls_server = mismatch != "tls-client-plain-server"
+    server = variable_server(server_security(certificates, token=TOKEN) if tls_server
+                             else Security(token=TOKEN))
+    client_security = {
+        "plain-client-tls-server": Security(token=TOKEN),
+        "tls-client-plain-server": Security(token=TOKEN, ca_file=certificates.ca_cert),
+        "other-ca": Security(token=TOKEN, ca_file=certificates.rogue_ca_cert),
+    }[mismatch]
+    slow = ServiceOptions(rpc_timeout_seconds=60, connect_timeout_seconds=1)
+    started = time.monotonic()
+    with client_of(server, client_security, options=slow) as client:
+        with pytest.raises(PeerAuthenticationError, match="TLS") as caught:
+            client.pull(["w"])
+    assert time.monotonic() - started < 10
+    assert caught.value.address.endswith(f":{server.port}")
+    assert server.stats().requests.get("pull", 0) == 0
