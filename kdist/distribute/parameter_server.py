@@ -232,7 +232,9 @@ class ParameterServerStrategy(Strategy):
         devices: this worker's local devices (several train synchronously).
             `None` means the CPU, or every visible GPU.
         options: `kdist.ps.ServiceOptions` (deadlines, chunk and message sizes).
-        security: `kdist.ps.Security` (shared token, TLS), matching the servers'.
+        security: `kdist.ps.Security` (the cluster secret, TLS), matching the
+            servers'; None: the secret from the environment (`kdist launch` sets it),
+            else this process's own.
 
     Raises:
         kdist.errors.InvalidArgumentError: the cluster has no `ps` job, this

@@ -13,8 +13,10 @@ A `"ps"` task serves the variable service (`kdist.ps`): the variables placed on
 it, their optimizer state, pushes and pulls. A `"worker"` task serves the
 worker service (`kdist.coordinator`): it runs the functions a
 `ClusterCoordinator` on the chief schedules onto it. A worker executes the
-code its coordinator sends: give every task the cluster's token (`security`),
-and TLS beyond one machine. The chief and evaluator need no server.
+code its coordinator sends, so every server requires the cluster secret by
+default (`kdist.ps.Security`: `KDIST_SECRET_FILE`, which `kdist launch` sets, or
+this process's own secret for a cluster inside one process); add TLS beyond one
+machine. The chief and evaluator need no server.
 
 As in TensorFlow, a started server serves until `stop()` or the end of the
 process, even when the program drops the `Server` object (TensorFlow's
@@ -73,8 +75,9 @@ class Server:
             the cluster or here means "any free port" (see `port`).
         options: a `kdist.ps.ServiceOptions` (message sizes, thread pool,
             `max_staleness`, ...); None for the defaults.
-        security: a `kdist.ps.Security` (TLS files, shared token); None for
-            plain text without a token.
+        security: a `kdist.ps.Security` (the cluster secret, TLS files); None
+            for the default: the cluster secret from the environment (else this
+            process's own), plain text.
 
     Raises:
         kdist.errors.InvalidArgumentError: `cluster_spec` is malformed, the
