@@ -117,6 +117,12 @@ class VariableOptimizer:
         with keras.device("cpu"):
             self.optimizer.build([variable])
 
+    @property
+    def handles_non_finite_gradients(self):
+        """True for a `LossScaleOptimizer`: it skips a step with NaN or infinite gradients
+        and lowers its loss scale, so it must see them."""
+        return isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+
     def apply(self, gradient):
         """Applies the torch `gradient` (shaped like the variable) to the variable."""
         with keras.device("cpu"):

@@ -73,7 +73,9 @@ class ServiceOptions:
             message is not taken) is cancelled, freeing its thread.
         allow_non_finite_gradients: server side: apply gradients that hold
             NaN or infinity. False (the default): such a push is refused with
-            `INVALID_ARGUMENT` naming the variable, and nothing changes.
+            `INVALID_ARGUMENT` naming the variable, and nothing changes;
+            except that a variable whose optimizer is a `LossScaleOptimizer`
+            always gets them (it skips that step and lowers its loss scale).
 
     Raises:
         kdist.errors.InvalidArgumentError: a value of the wrong type or range.

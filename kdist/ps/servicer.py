@@ -79,7 +79,7 @@ class VariableServicer:
                     result, handed_over = self.guard.responses(call, result), True
                 return result
             except Exception as error:  # noqa: BLE001 — mapped to a status, never fatal
-                if not context.is_active():
+                if not context.is_active() or (call is not None and call.idle_cancelled):
                     self._log_ended(method, context, call)
                     context.abort(grpc.StatusCode.CANCELLED, "The call was cancelled.")
                 code = status_code(error)

@@ -62,7 +62,9 @@ class VariableStore:
         max_remembered_updates: how many update ids of applied pushes to
             remember for deduplication (`MAX_REMEMBERED_UPDATES`).
         allow_non_finite_gradients: apply gradients holding NaN or infinity;
-            False: refuse the whole push (`InvalidArgumentError`).
+            False: refuse the whole push (`InvalidArgumentError`), except for
+            variables whose optimizer is a `LossScaleOptimizer` (it skips
+            such steps itself).
 
     Example:
 
@@ -294,8 +296,9 @@ class VariableStore:
                 dense.append((spec, entry, (ids, rows)))
             else:
                 dense.append((spec, entry, next(arrays)))
-        if not self.allow_non_finite_gradients:
-            for spec, entry, gradient in dense:
+        for spec, entry, gradient in dense:
+            if not (self.allow_non_finite_gradients
+                    or entry.optimizer.handles_non_finite_gradients):
                 _check_finite(entry, gradient[1] if spec.rows else gradient)
         versions, rejected, staleness, applied = {}, [], {}, 0
         for spec, entry, gradient in dense:

@@ -24,9 +24,14 @@ import logging
 import threading
 import time
 
+from kdist.errors import KdistError
 from kdist.ps.status import ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
+
+
+class StreamCancelledError(KdistError, ConnectionError):
+    """A request stream was cancelled (by its client, or as idle) before it ended."""
 
 
 class GuardedCall:
@@ -140,6 +145,14 @@ class StreamGuard:
             try:
                 message = next(iterator)
             except StopIteration:
+                # gRPC may end the request iterator of a cancelled call like a
+                # complete stream, before it marks the call cancelled: a
+                # request cut short that way must not be applied.
+                if call.idle_cancelled or not call.context.is_active():
+                    raise StreamCancelledError(
+                        f"The {call.method} stream from {call.peer} was cancelled before "
+                        "its request ended; nothing of it is applied."
+                    ) from None
                 return
             finally:
                 call.waiting_since = None

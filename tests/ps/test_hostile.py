@@ -13,14 +13,11 @@ import time
 from pathlib import Path
 
 import grpc
-import keras
 import numpy as np
 import pytest
 
-from kdist.errors import InvalidArgumentError, ParameterServerError
+from kdist.errors import ParameterServerError
 from kdist.ps import (
-    DenseGradient,
-    RowGradient,
     ServiceOptions,
     VariableClient,
     VariableInit,
@@ -39,10 +36,7 @@ IDLE_SECONDS = 2.0
 # Health must answer within this while every stream slot is stalled.
 HEALTH_DEADLINE = 3.0
 STALL_SECONDS = 60.0  # how long a stalled client would wait: far past the test
-
-
-def adam_config():
-    return keras.optimizers.serialize(keras.optimizers.Adam(0.01))
+NUM_CANCELLED_STREAMS = 5
 
 
 def wait_until(predicate, timeout, what, state=lambda: None):
@@ -121,7 +115,8 @@ def test_stalled_streams_cannot_starve_the_server(guarded_server):
     # 12 stalled streams from 4 channels, more than the server's 8 threads.
     channels, calls = open_stalled_streams(server.address, release, 4, 3)
     try:
-        wait_until(lambda: guard.num_streams == 4 and guard.num_refused == 8, 10,
+        wait_until(lambda: (guard.num_streams == 4 and guard.num_refused == 8
+                            and sum(call.done() for call in calls) == 8), 10,
                    "4 streams admitted and 8 refused",
                    lambda: (guard.num_streams, guard.num_refused))
         refused = [call for call in calls if call.done()]
@@ -204,20 +199,24 @@ def test_a_cancelled_stream_logs_one_line(guarded_server, caplog):
     caplog.set_level(logging.INFO)
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.VariableServiceStub(channel)
-        future = stub.Push.future(stalled_push(release), timeout=STALL_SECONDS)
-        wait_until(lambda: guard.num_streams == 1, 10, "the push to start")
-        future.cancel()  # the client gives up mid-stream
-        wait_until(lambda: guard.num_streams == 0, 10, "the cancelled push to end")
-        cancelled = [record for record in caplog.records if record.name.startswith("kdist")]
+        for _ in range(NUM_CANCELLED_STREAMS):
+            future = stub.Push.future(stalled_push(release), timeout=STALL_SECONDS)
+            wait_until(lambda: guard.num_streams == 1, 10, "the push to start")
+            future.cancel()  # the client gives up mid-stream
+            wait_until(lambda: guard.num_streams == 0, 10, "the cancelled push to end")
         idle = stub.Push.future(stalled_push(release), timeout=STALL_SECONDS)
         assert call_code(idle, IDLE_SECONDS + 10) == grpc.StatusCode.CANCELLED
         wait_until(lambda: guard.num_streams == 0, 10, "the idle push to end")
     release.set()
-    assert [record.levelno for record in cancelled] == [logging.INFO]
-    assert "Push" in cancelled[0].getMessage() and "cancelled" in cancelled[0].getMessage()
     records = [record for record in caplog.records if record.name.startswith("kdist")]
-    assert [record.levelno for record in records] == [logging.INFO, logging.WARNING]
-    assert "stream_idle_seconds" in records[1].getMessage()
+    warnings = [record for record in records if record.levelno == logging.WARNING]
+    infos = [record for record in records if record.levelno == logging.INFO]
+    assert len(warnings) == 1 and "stream_idle_seconds" in warnings[0].getMessage()
+    # One line per cancelled stream at most: gRPC sometimes ends a cancelled
+    # request stream like a complete one, and the push then ends without a word.
+    assert 1 <= len(infos) <= NUM_CANCELLED_STREAMS and len(records) == len(infos) + 1
+    assert all("Push" in record.getMessage() and "cancelled" in record.getMessage()
+               for record in infos)
     assert not any(record.exc_info for record in caplog.records), "a traceback was logged"
 
 
@@ -246,71 +245,6 @@ def test_create_with_a_bad_variable_creates_nothing(client, bad):
     client.create([VariableInit("kernel", np.ones((3, 3), "float32")),
                    VariableInit(bad.name, bad.value, trainable=False)])
     assert sorted(client.stats().variables) == sorted(["existing", "kernel", bad.name])
-
-
-# -- Non-finite gradients ----------------------------------------------------------------
-
-
-def optimizer_snapshot(client, names):
-    return {name: (state.iterations, {slot: value.copy() for slot, value in state.slots.items()})
-            for name, state in client.optimizer_state(names).items()}
-
-
-@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
-def test_non_finite_gradients_are_refused_and_change_nothing(client, poison):
-    client.create([VariableInit("w", np.linspace(-1, 1, 12, dtype="float32").reshape(4, 3)),
-                   VariableInit("b", np.zeros(3, "float32"))])
-    client.configure_optimizer(adam_config(), ["w", "b"])
-    client.push([DenseGradient("w", np.ones((4, 3), "float32")),
-                 DenseGradient("b", np.ones(3, "float32"))])
-    values = {state.name: (state.value, state.version) for state in client.pull(["w", "b"])}
-    slots = optimizer_snapshot(client, ["w", "b"])
-    bad = np.ones((4, 3), "float32")
-    bad[2, 1] = poison
-    rows = np.ones((2, 3), "float32")
-    rows[1, 0] = poison
-    for gradients in ([DenseGradient("b", np.ones(3, "float32")), DenseGradient("w", bad)],
-                      [DenseGradient("b", np.ones(3, "float32")),
-                       RowGradient("w", np.array([0, 3]), rows)]):
-        with pytest.raises(ParameterServerError) as caught:
-            client.push(gradients, update_id="step-2")
-        assert caught.value.code_name == "INVALID_ARGUMENT" and not caught.value.retryable
-        detail = caught.value.detail
-        assert "'w'" in detail and "non-finite" in detail and "1 NaN or infinite" in detail
-    after = {state.name: (state.value, state.version) for state in client.pull(["w", "b"])}
-    for name, (value, version) in values.items():
-        np.testing.assert_array_equal(after[name][0], value)
-        assert after[name][1] == version == 1
-    after_slots = optimizer_snapshot(client, ["w", "b"])
-    for name, (iterations, slot_values) in slots.items():
-        assert after_slots[name][0] == iterations == 1
-        for slot, value in slot_values.items():
-            np.testing.assert_array_equal(after_slots[name][1][slot], value, err_msg=slot)
-    stats = client.stats()
-    assert stats.applied_pushes == 1 and stats.deduplicated_updates == 0
-    # The refused pushes did not use up their update id: the fixed push applies, once.
-    fixed = [DenseGradient("b", np.ones(3, "float32")),
-             DenseGradient("w", np.nan_to_num(bad, posinf=1.0, neginf=1.0, nan=1.0))]
-    assert client.push(fixed, update_id="step-2").versions == {"w": 2, "b": 2}
-    assert client.push(fixed, update_id="step-2").versions == {"w": 2, "b": 2}
-    assert client.stats().deduplicated_updates == 1
-    assert all(np.isfinite(state.value).all() for state in client.pull(["w", "b"]))
-
-
-def test_non_finite_gradients_apply_when_allowed():
-    options = ServiceOptions(allow_non_finite_gradients=True, rpc_timeout_seconds=30)
-    with create_server(options=options) as server, VariableClient(server.address) as client:
-        client.create([VariableInit("w", np.zeros(3, "float32"))])
-        client.configure_optimizer(adam_config(), ["w"])
-        assert client.push([DenseGradient("w", np.array([1, np.nan, 1], "float32"))]
-                           ).versions == {"w": 1}
-        [state] = client.pull(["w"])
-        assert np.isnan(state.value[1]) and np.isfinite(state.value[[0, 2]]).all()
-
-
-def test_allow_non_finite_gradients_must_be_a_bool():
-    with pytest.raises(InvalidArgumentError, match="allow_non_finite_gradients"):
-        ServiceOptions(allow_non_finite_gradients="yes")
 
 
 # -- Errors name what failed without echoing the request -----------------------------------
