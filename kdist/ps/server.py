@@ -100,8 +100,9 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
             f"security must be a Security. Received: {type(security).__name__}."
         )
     host = _bind_host(address)
-    store = VariableStore(max_staleness=options.max_staleness)
-    servicer = VariableServicer(store, options.chunk_bytes)
+    store = VariableStore(max_staleness=options.max_staleness,
+                          allow_non_finite_gradients=options.allow_non_finite_gradients)
+    servicer = VariableServicer(store, options.chunk_bytes, options)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers,
                                    thread_name_prefix="kdist-ps"),
@@ -128,6 +129,7 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
             "on an address of this machine."
         )
     server.start()
+    security.check_exposure("parameter server", host, port)
     return VariableServer(server, servicer, host, port)
 
 

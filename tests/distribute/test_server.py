@@ -191,7 +191,7 @@ def test_options_and_security_reach_the_service():
     security = Security(token="server-test-token")
     options = ServiceOptions(max_staleness=0)
     with Server.create_local_server(options=options, security=security) as server:
-        with make_client(server) as anonymous:
+        with make_client(server, Security.insecure()) as anonymous:
             with pytest.raises(UnauthenticatedError):
                 anonymous.create([VariableInit("w", np.zeros(2, dtype="float32"))])
         with make_client(server, security) as client:

@@ -8,9 +8,10 @@ Three kinds of garbage reach one real server on loopback:
 2. well-formed protobuf messages of the real request types whose contents are
    wrong: unsupported dtypes, shapes that disagree with the payload, negative
    and huge dimensions, unknown names, out-of-range row ids, hostile optimizer
-   configs, damaged checkpoints. Every such request has at least one defect, so
-   none may change a variable (a request that mixes a valid update with a bad
-   one must change nothing either);
+   configs, damaged checkpoints, NaN and infinite gradients, creates that mix
+   valid variables with one that may not be created. Every such request has at
+   least one defect, so none may change or create a variable (a request that
+   mixes a valid update with a bad one must change nothing either);
 3. garbage bytes on the raw TCP port, some after a valid HTTP/2 preface, some
    connections left open until the end.
 
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 
 from kdist.ps import ServiceOptions, VariableClient, VariableInit, create_server
+from kdist.ps.security import Security
 from kdist.ps.options import FRAMING_BYTES
 from tests.ps.fuzz_requests import (
     CHUNK_BYTES,
@@ -42,6 +44,8 @@ from tests.ps.fuzz_requests import (
 SEED = 4_2024
 NUM_RAW_MESSAGE_CALLS = 440
 NUM_PROTO_CALLS = 440
+# Calls without the proof of the secret: every one refused (UNAUTHENTICATED).
+NUM_STRANGER_CALLS = 200
 NUM_TCP_CONNECTIONS = 120
 NUM_IDLE_CONNECTIONS = 8
 CALL_TIMEOUT = 5.0
@@ -144,8 +148,15 @@ def test_server_survives_malformed_requests(fuzz_server, tmp_path):
                         str(tmp_path / "checkpoints" / "file" / "below"), str(tmp_path / "saved")]
 
     unexpected = []
-    channel = grpc.insecure_channel(server.address, options=[("grpc.enable_http_proxy", 0)])
-    with channel:
+    # A stranger (no proof of the cluster secret) is refused before any request is read;
+    # a peer holding the secret reaches the deserializers and handlers with garbage.
+    stranger = grpc.insecure_channel(server.address, options=[("grpc.enable_http_proxy", 0)])
+    channel = Security().open_channel(server.address, [("grpc.enable_http_proxy", 0)])
+    with stranger, channel:
+        for index, (method, messages) in enumerate(random_raw_calls(rng, NUM_STRANGER_CALLS)):
+            code = call_raw(stranger, method, messages)
+            if code != grpc.StatusCode.UNAUTHENTICATED:
+                unexpected.append(f"stranger call {index} to {method.name} got {code.name}")
         for kind, calls, expected in [
             ("raw", random_raw_calls(rng, NUM_RAW_MESSAGE_CALLS), EXPECTED_FOR_RAW_BYTES),
             ("proto", proto_calls(rng, NUM_PROTO_CALLS, save_directories, restore_directories),
@@ -173,6 +184,9 @@ def test_server_survives_malformed_requests(fuzz_server, tmp_path):
         assert after[name][1] == version == 0, name
     stats = server.stats()
     assert all(item.applied_updates == 0 for item in stats.variables.values())
+    assert sorted(stats.variables) == sorted(VARIABLES), "a refused create created something"
+    for name in ("weights", "embedding"):  # optimizer slots untouched (SGD: iterations)
+        assert client.optimizer_state([name])[name].iterations == 0
     assert not (tmp_path / "PWNED").exists()
     assert client.health()["status"] == "SERVING"
     [state] = client.create([VariableInit("after_fuzz", np.full(3, 2.5, "float32"))])
