@@ -1,26 +1,18 @@
 """`VariableClient`: the worker's and coordinator's end of the variable service."""
 
 import threading
-import time
-
-import grpc
-import numpy as np
 
 from kdist.cluster.spec import parse_address
-from kdist.errors import InvalidArgumentError, ParameterServerUnavailableError
-from kdist.ps import codec
+from kdist.ps import client_retry, codec
 from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.client_payload import assignment_payload, gradient_payload, ids_array, variables_layout
 from kdist.ps.methods import METHODS
 from kdist.ps.optimizer_host import canonical_config
 from kdist.ps.options import ServiceOptions
 from kdist.ps.security import Security
-from kdist.ps.status import client_error
 from kdist.ps.values import (
-    Assignment,
-    DenseGradient,
     OptimizerState,
     PushResult,
-    RowGradient,
     ServerStats,
     StalenessStats,
     VariableState,
@@ -28,17 +20,8 @@ from kdist.ps.values import (
     check_name,
     check_update_id,
 )
-from kdist.ps.watchdog import GRACE_SECONDS, CallCancelled, watched_call
 
-# gRPC's own retry policy is off: with it on, a pull stream in flight when its
-# server was `kill -9`ed could block far past its deadline. The client retries
-# instead (`VariableClient._call`): a call that failed with UNAVAILABLE (server
-# restarting, connection refused or reset) is sent again up to this many times
-# in all, backing off 0.1 s, 0.2 s, ... up to 1 s: about 1.5 s in total, then the
-# client raises ParameterServerUnavailableError. Only calls that are safe to
-# repeat are retried: every one but a push or assign without an `update_id`.
-MAX_ATTEMPTS = 5
-RETRY_BACKOFF_SECONDS = (0.1, 1.0)  # (initial, max); doubles at each retry
+# gRPC's own retries are off; the client retries itself (`kdist.ps.client_retry`).
 _CHANNEL_OPTIONS = [("grpc.enable_retries", 0)]
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
@@ -100,45 +83,8 @@ class VariableClient:
     # -- Calls ----------------------------------------------------------------------
 
     def _call(self, name, request, read=None, timeout=None, wait_for_ready=None, retry=True):
-        """Runs one call, retried on UNAVAILABLE while `retry` and time allow.
-
-        `request` is a message, or a function returning a fresh request stream
-        (a stream is consumed by the attempt that sends it). The whole call,
-        retries included, ends within its deadline plus `GRACE_SECONDS`.
-        """
-        deadline = self.options.rpc_timeout_seconds if timeout is None else timeout
-        if wait_for_ready is None and not self._connected:
-            wait_for_ready = True
-            deadline += self.options.connect_timeout_seconds
-        started = time.monotonic()
-        backoff = RETRY_BACKOFF_SECONDS[0]
-        attempt = 1
-        while True:
-            remaining = started + deadline - time.monotonic()
-            try:
-                result = self._attempt(name, request, read, remaining, wait_for_ready)
-                break
-            except grpc.RpcError as error:
-                elapsed = time.monotonic() - started
-                if (retry and attempt < MAX_ATTEMPTS and _code(error) == grpc.StatusCode.UNAVAILABLE
-                        and elapsed + backoff < deadline and not self._closed.wait(backoff)):
-                    attempt += 1
-                    backoff = min(2 * backoff, RETRY_BACKOFF_SECONDS[1])
-                    continue
-                raise client_error(error, self.address, deadline, elapsed) from None
-            except CallCancelled:
-                raise ParameterServerUnavailableError(
-                    self.address, deadline,
-                    f"{name} had no answer {GRACE_SECONDS:g} s past its deadline and was cancelled",
-                    time.monotonic() - started) from None
-        self._connected = True
-        return result
-
-    def _attempt(self, name, request, read, remaining, wait_for_ready):
-        return watched_call(self._calls[name], METHODS[name].response_streaming,
-                            request() if callable(request) else request, read,
-                            timeout=max(remaining, 0.0), metadata=self._metadata,
-                            wait_for_ready=wait_for_ready)
+        """Runs one call, retried on UNAVAILABLE while `retry` and time allow (`client_retry`)."""
+        return client_retry.call(self, name, request, read, timeout, wait_for_ready, retry)
 
     def _stream(self, header, arrays):
         return codec.encode_stream(header, [codec.byte_view(array) for array in arrays],
@@ -167,7 +113,7 @@ class VariableClient:
         ])
 
         def read(frames):
-            response, values = codec.read_stream(frames, _variables_layout, "create response")
+            response, values = codec.read_stream(frames, variables_layout, "create response")
             values = iter(values)
             return [
                 VariableState(meta.name, next(values) if meta.has_value else array.copy(),
@@ -201,7 +147,7 @@ class VariableClient:
 
         def layout(header):
             targets.extend((out or {}).get(meta.name) for meta in header.variables if meta.has_value)
-            return _variables_layout(header)
+            return variables_layout(header)
 
         def allocate(index, dtype, shape):
             target = targets[index]
@@ -253,10 +199,10 @@ class VariableClient:
         check_update_id(update_id)
         metas, arrays = [], []
         for gradient in gradients:
-            meta, payload = _gradient_payload(gradient)
+            meta, payload = gradient_payload(gradient)
             metas.append(meta)
             arrays.extend(payload)
-        assignment_metas, assignment_arrays = _assignment_payload(assignments)
+        assignment_metas, assignment_arrays = assignment_payload(assignments)
         header = pb.PushHeader(gradients=metas, assignments=assignment_metas,
                                update_id=update_id or "")
         # Without an update_id a repeat could apply the gradients twice: no retry.
@@ -278,7 +224,7 @@ class VariableClient:
             kdist.errors.ParameterServerError: `NOT_FOUND` or `INVALID_ARGUMENT`.
         """
         check_update_id(update_id)
-        metas, arrays = _assignment_payload(assignments)
+        metas, arrays = assignment_payload(assignments)
         header = pb.PushHeader(assignments=metas, update_id=update_id or "")
         return dict(self._call("Assign", lambda: self._stream(header, arrays),
                                retry=bool(update_id)).versions)
@@ -300,7 +246,7 @@ class VariableClient:
         items, arrays = [], []
         for name, ids in requests:
             check_name(name)
-            ids = _ids_array(ids, f"lookup ids of {name!r}")
+            ids = ids_array(ids, f"lookup ids of {name!r}")
             items.append(pb.LookupItem(name=name, ids=codec.tensor_meta(ids)))
             arrays.append(ids)
 
@@ -413,57 +359,3 @@ class VariableClient:
 
     def __repr__(self):
         return f"VariableClient(address={self.address!r})"
-
-
-def _code(error):
-    return error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-
-
-def _variables_layout(header):
-    return [codec.parse_meta(meta.value, f"variable {meta.name!r}")
-            for meta in header.variables if meta.has_value]
-
-
-def _ids_array(ids, what):
-    ids = codec.as_array(ids, what)
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise InvalidArgumentError(f"{what} must be integers. Received: dtype={ids.dtype}.")
-    return np.ascontiguousarray(ids, dtype=np.int64)
-
-
-def _gradient_payload(gradient):
-    if isinstance(gradient, DenseGradient):
-        array = codec.as_array(gradient.gradient, f"the gradient of {gradient.name!r}")
-        meta = pb.GradientMeta(name=gradient.name, kind=pb.DENSE,
-                               values=codec.tensor_meta(array), version=gradient.version)
-        return meta, [array]
-    if isinstance(gradient, RowGradient):
-        what = f"the row gradient of {gradient.name!r}"
-        ids = _ids_array(gradient.row_ids, f"row ids of {gradient.name!r}")
-        rows = codec.as_array(gradient.rows, what)
-        if rows.shape[:ids.ndim] != ids.shape:
-            raise InvalidArgumentError(
-                f"{what}: rows must have shape row_ids.shape + row shape. Received: "
-                f"row_ids.shape={ids.shape}, rows.shape={rows.shape}."
-            )
-        rows = rows.reshape((ids.size,) + rows.shape[ids.ndim:])
-        ids = ids.reshape(-1)
-        meta = pb.GradientMeta(name=gradient.name, kind=pb.ROWS, values=codec.tensor_meta(rows),
-                               num_row_ids=ids.size, version=gradient.version)
-        return meta, [ids, rows]
-    raise InvalidArgumentError(
-        f"push() takes DenseGradient and RowGradient values. Received: {type(gradient).__name__}."
-    )
-
-
-def _assignment_payload(assignments):
-    metas, arrays = [], []
-    for assignment in assignments:
-        if not isinstance(assignment, Assignment):
-            raise InvalidArgumentError(
-                f"Expected Assignment values. Received: {type(assignment).__name__}."
-            )
-        array = codec.as_array(assignment.value, f"the value assigned to {assignment.name!r}")
-        metas.append(pb.AssignmentMeta(name=assignment.name, value=codec.tensor_meta(array)))
-        arrays.append(array)
-    return metas, arrays
