@@ -37,9 +37,13 @@ Usage:
 """
 
 import os
+import secrets
 
 # Keras reads the backend once, at import time.
 os.environ.setdefault("KERAS_BACKEND", "torch")
+# Every kdist service requires the cluster secret: the processes of this run share
+# one, as the tasks of one `kdist launch` job do.
+os.environ.setdefault("KDIST_SECRET", secrets.token_urlsafe(32))
 # This process forks the server processes after gRPC is loaded; gRPC's fork
 # handlers can abort such a child before it execs (grpc/grpc#43055).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")

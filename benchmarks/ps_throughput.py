@@ -35,9 +35,13 @@ Usage:
 """
 
 import os
+import secrets
 
 # Keras reads the backend once, at import time.
 os.environ.setdefault("KERAS_BACKEND", "torch")
+# Every kdist service requires the cluster secret: the processes of this run share
+# one, as the tasks of one `kdist launch` job do.
+os.environ.setdefault("KDIST_SECRET", secrets.token_urlsafe(32))
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
