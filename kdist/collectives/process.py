@@ -5,8 +5,11 @@ shapes and dtypes; callers iterate in creation order, never over sets.
 
 Small tensors are never sent one by one: `all_reduce_sum` and `broadcast`
 flatten the tensors of one dtype into buckets of up to
-`CommunicationOptions.bucket_bytes` and make one call per bucket. On gloo one
-call per variable is 4-300x slower than one call for the same bytes.
+`CommunicationOptions.bucket_bytes` and make one call per bucket (see
+`kdist.collectives.buckets`).
+
+`ProcessCollectives.statistics` counts every call and its bytes per operation
+(see `kdist.collectives.statistics`).
 
 Every call has a deadline (`CommunicationOptions.timeout_seconds`). When one
 fails — a peer died, stalled, or the deadline passed — the survivors raise
@@ -22,7 +25,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kdist.collectives.buckets import ReductionBuffers, _bucket_positions, _layout
 from kdist.collectives.heartbeat import Heartbeat
+from kdist.collectives.statistics import (
+    CollectiveStatistics,
+    all_gather_wire_bytes,
+    all_reduce_wire_bytes,
+    broadcast_wire_bytes,
+)
 from kdist.errors import CollectiveTimeoutError, InvalidArgumentError
 
 # Long enough for a slow first step (lazy builds, data loading, a checkpoint
@@ -34,10 +44,6 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 # gloo, 100 MB in 4 calls took 20-25% longer than in one. The cap bounds the size
 # of a single message.
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-# Below this average size per tensor, filling a bucket by one concatenation and
-# one in-place scaling beats one multiplication call per tensor (measured: 200
-# tensors of 40 KB, 2x faster).
-_SMALL_TENSOR_BYTES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +111,8 @@ class ProcessCollectives:
     """Collectives across the ranks of one job, over an initialised process group.
 
     Not thread-safe: one training thread per process calls it, and every rank
-    calls the same methods in the same order.
+    calls the same methods in the same order. `statistics` may be read from
+    any thread.
 
     Args:
         rendezvous: a `kdist.cluster.Rendezvous` (rank, world size, store address).
@@ -122,6 +129,7 @@ class ProcessCollectives:
         self._store_host_rank = None if rendezvous.store_is_external else 0
         self._heartbeat = None
         self._buffers = {}
+        self._statistics = CollectiveStatistics()
         self._owns_group = False
         if dist.is_initialized():
             _check_existing_group(rendezvous)
@@ -166,6 +174,18 @@ class ProcessCollectives:
                 timeout_seconds=self.options.timeout_seconds,
             ) from error
 
+    @property
+    def statistics(self):
+        """`{operation: CollectiveStats}`: the calls this rank made and their bytes.
+
+        Keys are the operation names of error messages, e.g.
+        `"all_reduce(gradients)"`; a bucketed reduction counts one call per
+        bucket. Nothing is counted when `world_size == 1` (no call is made).
+        Object broadcasts count calls only (torch pickles the payload).
+        Returns a new dict each time.
+        """
+        return self._statistics.snapshot()
+
     # ----- collectives -----------------------------------------------------
     def all_reduce_sum(self, tensors, name="tensors"):
         """Returns the element-wise sums over ranks of `tensors` (new tensors, same order).
@@ -200,6 +220,7 @@ class ProcessCollectives:
         operation = f"all_reduce({name})"
         works = []
         for flat in buffers.flats:
+            self._record_all_reduce(operation, flat)
             work = self._run(operation, lambda flat=flat: dist.all_reduce(flat, async_op=True))
             works.append((operation, work))
         return works
@@ -216,6 +237,10 @@ class ProcessCollectives:
             return
         for positions in _bucket_positions(_layout(tensors), self.options.bucket_bytes):
             flat = torch.cat([tensors[p].detach().reshape(-1).to(self.device) for p in positions])
+            payload = _nbytes(flat)
+            self._statistics.record(
+                f"broadcast({name})", payload, broadcast_wire_bytes(payload, self.rank == source_rank)
+            )
             self._run(f"broadcast({name})", lambda flat=flat: dist.broadcast(flat, source_rank))
             offset = 0
             with torch.no_grad():
@@ -237,6 +262,8 @@ class ProcessCollectives:
         padded = torch.zeros((largest,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
         padded[: tensor.shape[0]] = tensor.to(self.device)
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        payload = _nbytes(padded)
+        self._statistics.record(f"all_gather({name})", payload, all_gather_wire_bytes(payload, self.world_size))
         self._run(f"all_gather({name})", lambda: dist.all_gather(gathered, padded))
         return torch.cat([part[:rows] for part, rows in zip(gathered, rows_per_rank)])
 
@@ -246,6 +273,7 @@ class ProcessCollectives:
         if self.world_size == 1:
             return tensors
         for tensor in tensors:
+            self._record_all_reduce(f"all_reduce_min({name})", tensor)
             self._run(f"all_reduce_min({name})", lambda tensor=tensor: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
         return tensors
 
@@ -254,6 +282,7 @@ class ProcessCollectives:
         if self.world_size == 1:
             return bool(flag)
         value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        self._record_all_reduce(f"all_reduce({name})", value)
         self._run(f"all_reduce({name})", lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN))
         return bool(value.item())
 
@@ -262,6 +291,7 @@ class ProcessCollectives:
         if self.world_size == 1:
             return obj
         holder = [obj]
+        self._statistics.record(f"broadcast({name})", 0, 0)
         self._run(f"broadcast({name})", lambda: dist.broadcast_object_list(holder, source_rank, device=self.device))
         return holder[0]
 
@@ -270,6 +300,7 @@ class ProcessCollectives:
         if self.world_size == 1:
             return
         token = torch.zeros(1, device=self.device)
+        self._record_all_reduce(name, token)
         self._run(name, lambda: dist.all_reduce(token))
 
     def shutdown(self):
@@ -282,6 +313,10 @@ class ProcessCollectives:
         self._owns_group = False
 
     # ----- internals -------------------------------------------------------
+    def _record_all_reduce(self, operation, tensor):
+        payload = _nbytes(tensor)
+        self._statistics.record(operation, payload, all_reduce_wire_bytes(payload, self.world_size))
+
     def _run(self, operation, call, counts=True):
         heartbeat = self._heartbeat
         if heartbeat is None:
@@ -332,81 +367,5 @@ def _check_existing_group(rendezvous):
         )
 
 
-class ReductionBuffers:
-    """Flat per-dtype buckets for a list of tensors, and a view of them per tensor.
-
-    Args:
-        like: tensors whose shapes and dtypes (in order) define the layout.
-        bucket_bytes: the largest bucket.
-        device: where the buckets live.
-    """
-
-    def __init__(self, like, bucket_bytes, device):
-        self.layout = _layout(like)
-        self.flats = []
-        self.views = [None] * len(self.layout)
-        self._bucket_positions = []
-        for positions in _bucket_positions(self.layout, bucket_bytes):
-            dtype = self.layout[positions[0]][1]
-            sizes = [math.prod(self.layout[p][0]) for p in positions]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            for p, part in zip(positions, flat.split(sizes)):
-                self.views[p] = part.view(self.layout[p][0])
-            self.flats.append(flat)
-            self._bucket_positions.append(positions)
-
-    def matches(self, like):
-        return _layout(like) == self.layout
-
-    def fill_weighted(self, tensor_lists, weights):
-        """Writes `Σ_k weights[k] * tensor_lists[k][i]` into view i; returns the views.
-
-        The first contributor's values go straight into the buckets: one
-        multiplication per tensor into its view when tensors are large (one
-        pass over the bytes), or one concatenation plus one in-place scaling per
-        bucket when they are small (per-tensor calls would cost more than the
-        second pass). Same arithmetic as `kdist.collectives.local.weighted_sum`.
-        """
-        first, weight = tensor_lists[0], weights[0]
-        with torch.no_grad():
-            for flat, positions in zip(self.flats, self._bucket_positions):
-                if flat.numel() * flat.element_size() < _SMALL_TENSOR_BYTES * len(positions):
-                    torch.cat([first[p].detach().reshape(-1).to(flat.device) for p in positions], out=flat)
-                    if weight != 1.0:
-                        flat.mul_(weight)
-                else:
-                    for p in positions:
-                        torch.mul(first[p].detach().to(flat.device), weight, out=self.views[p])
-            for tensors, weight in zip(tensor_lists[1:], weights[1:]):
-                tensors = [t.detach().to(self.views[0].device) for t in tensors]
-                torch._foreach_add_(self.views, tensors, alpha=weight)
-        return self.views
-
-    def fill(self, tensors):
-        """Copies `tensors` into the buckets (one concatenation per bucket)."""
-        for flat, positions in zip(self.flats, self._bucket_positions):
-            parts = [tensors[p].detach().reshape(-1) for p in positions]
-            torch.cat([part if part.device == flat.device else part.to(flat.device) for part in parts], out=flat)
-
-
-def _layout(tensors):
-    return tuple((tuple(t.shape), t.dtype) for t in tensors)
-
-
-def _bucket_positions(layout, bucket_bytes):
-    """Positions grouped per dtype (in first-seen order), each group cut at `bucket_bytes`."""
-    by_dtype = {}
-    for position, (_, dtype) in enumerate(layout):
-        by_dtype.setdefault(dtype, []).append(position)
-    for dtype, positions in by_dtype.items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        bucket, size = [], 0
-        for p in positions:
-            nbytes = math.prod(layout[p][0]) * itemsize
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(p)
-            size += nbytes
-        if bucket:
-            yield bucket
+def _nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
