@@ -42,14 +42,13 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import select  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from _report import environment, git_commit  # noqa: E402  (benchmarks/ is on sys.path)
+from _workers import WorkerGroup, serve  # noqa: E402
+from _workers import step_durations as _step_durations  # noqa: E402
 
 INPUT_FEATURES = 784
 HIDDEN_UNITS = 512
@@ -75,19 +74,9 @@ TARGET_RATIO = 0.9
 STARTUP_SECONDS = 240.0
 OPERATION_SECONDS = 180.0
 COLLECTIVE_TIMEOUT_SECONDS = 60.0
-MESSAGE_MARKER = "@@multiworker_scaling "
 
 
 # ----- worker side --------------------------------------------------------------
-def _reply(message):
-    print(MESSAGE_MARKER + json.dumps(message), flush=True)
-
-
-def _step_durations(step_ends, num_warmup):
-    """Seconds per step after the first `num_warmup` steps, from the steps' end times."""
-    return [b - a for a, b in zip(step_ends[num_warmup - 1 : -1], step_ends[num_warmup:])]
-
-
 def _synthetic_data(num_samples):
     import numpy as np
 
@@ -256,17 +245,17 @@ class DdpWorker:
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS),
         )
 
-    def setup_fit(self, steps, warmup, global_batch):
+    def setup_fit(self, steps, warmup, global_batch, hidden_units=HIDDEN_UNITS):
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
         module = torch.nn.Sequential(
-            torch.nn.Linear(INPUT_FEATURES, HIDDEN_UNITS),
+            torch.nn.Linear(INPUT_FEATURES, hidden_units),
             torch.nn.ReLU(),
-            torch.nn.Linear(HIDDEN_UNITS, HIDDEN_UNITS),
+            torch.nn.Linear(hidden_units, hidden_units),
             torch.nn.ReLU(),
-            torch.nn.Linear(HIDDEN_UNITS, NUM_CLASSES),
+            torch.nn.Linear(hidden_units, NUM_CLASSES),
         )
         self.model = DistributedDataParallel(module)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
@@ -299,119 +288,15 @@ def run_worker(role):
 
     torch.set_num_threads(1)
     worker = KdistWorker() if role == "kdist" else DdpWorker()
-    _reply({"event": "hello", "rank": worker.rank})
-    for line in sys.stdin:  # EOF (the driver died) ends the worker too
-        command = json.loads(line)
-        operation = command.pop("op")
-        if operation == "quit":
-            break
-        _reply({"event": "done", "rank": worker.rank, **getattr(worker, operation)(**command)})
+    serve(worker)  # until "quit", or EOF when the driver died
     if role == "kdist":
         worker.collectives.shutdown()
 
 
 # ----- driver side ----------------------------------------------------------------
-def _kdist_root():
-    import kdist
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(kdist.__file__)))
-
-
-class WorkerGroupError(RuntimeError):
-    """A worker group failed or missed a deadline; its processes have been killed."""
-
-
-class WorkerGroup:
-    """`world_size` worker processes of one role, forming one process group. Not thread-safe."""
-
-    def __init__(self, name, role, world_size):
-        from kdist.launch.ports import free_port
-
-        kdist_root = _kdist_root()
-        self.name = name
-        port = free_port()
-        self._processes, self._logs, self._buffers = [], [], []
-        for rank in range(world_size):
-            env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-            env.update(
-                RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1", KERAS_BACKEND="torch", PYTHONUNBUFFERED="1",
-                # The workers import the kdist the driver imported.
-                PYTHONPATH=os.pathsep.join([kdist_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-            )
-            log = tempfile.TemporaryFile()
-            self._logs.append(log)
-            self._buffers.append(b"")
-            self._processes.append(
-                subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "--role", role],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                )
-            )
-
-    def request(self, timeout, **command):
-        """Sends `command` to every rank; returns their replies in rank order."""
-        line = (json.dumps(command) + "\n").encode()
-        for rank, process in enumerate(self._processes):
-            try:
-                process.stdin.write(line)
-                process.stdin.flush()
-            except OSError as error:
-                self._fail(f"rank {rank} could not be sent a command ({error})")
-        return self.receive(timeout)
-
-    def receive(self, timeout):
-        deadline = time.monotonic() + timeout
-        return [self._receive_one(rank, deadline) for rank in range(len(self._processes))]
-
-    def _receive_one(self, rank, deadline):
-        process = self._processes[rank]
-        while True:
-            line, newline, rest = self._buffers[rank].partition(b"\n")
-            if newline:
-                self._buffers[rank] = rest
-                text = line.decode(errors="replace")
-                if text.startswith(MESSAGE_MARKER):
-                    return json.loads(text[len(MESSAGE_MARKER) :])
-                continue
-            remaining = deadline - time.monotonic()
-            ready = select.select([process.stdout], [], [], max(0.0, remaining))[0] if remaining > 0 else []
-            if not ready:
-                self._fail(f"rank {rank} sent nothing within the deadline")
-            chunk = os.read(process.stdout.fileno(), 65536)
-            if not chunk:
-                self._fail(f"rank {rank} exited with code {process.wait()}")
-            self._buffers[rank] += chunk
-
-    def _fail(self, reason):
-        self.kill()
-        tails = []
-        for rank, log in enumerate(self._logs):
-            log.seek(0)
-            tails.append(f"--- rank {rank} stderr (tail) ---\n{log.read()[-3000:].decode(errors='replace')}")
-        raise WorkerGroupError(f"Worker group {self.name}: {reason}; all its workers were killed.\n" + "\n".join(tails))
-
-    def close(self):
-        for process in self._processes:
-            try:
-                process.stdin.write(b'{"op": "quit"}\n')
-                process.stdin.close()
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 20
-        for process in self._processes:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self):
-        for process in self._processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+def _group(name, role, world_size):
+    """A `WorkerGroup` of this script re-run with `--role role`."""
+    return WorkerGroup(name, [sys.executable, os.path.abspath(__file__), "--role", role], world_size)
 
 
 def measure_scaling(groups, args):
@@ -502,7 +387,7 @@ def measure_allreduce(group, args):
 
 def measure_simulated(world_size, compute_seconds, args):
     """Part (c): N processes sleeping for 1/N of the 1-process compute, then really reducing."""
-    group = WorkerGroup(f"simulated_{world_size}", "kdist", world_size)
+    group = _group(f"simulated_{world_size}", "kdist", world_size)
     try:
         group.receive(STARTUP_SECONDS)
         sleep_seconds = compute_seconds / world_size
@@ -570,7 +455,7 @@ def main(argv=None):
     try:
         # All groups start together (start-up is not timed), then stay up for every round.
         for name, role, world_size in SCALING_CONFIGS:
-            groups[name] = WorkerGroup(name, role, world_size)
+            groups[name] = _group(name, role, world_size)
         for group in groups.values():
             group.receive(STARTUP_SECONDS)
         scaling_line, compute_seconds = measure_scaling(groups, args)
