@@ -15,8 +15,8 @@ every field.
 
 Usage:
 
-    python benchmarks/ddp_comparison.py            # full run, about 6 minutes on 2 cores
-    python benchmarks/ddp_comparison.py --quick    # smoke run, under 2 minutes
+    python benchmarks/ddp_comparison.py            # full run, about 4 minutes on 2 cores
+    python benchmarks/ddp_comparison.py --quick    # smoke run, about 1 minute
 """
 
 import os
@@ -339,7 +339,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=ROLES, help=argparse.SUPPRESS)
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="smoke run, under 2 minutes")
+    parser.add_argument("--quick", action="store_true", help="smoke run, about 1 minute")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; 2 with --quick)")
     parser.add_argument("--steps", type=int, help="timed steps per round (default 20; 4 with --quick)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated (default %(default)s)")
