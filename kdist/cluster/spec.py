@@ -10,6 +10,7 @@ and the resolver fills in pseudo-addresses. Code that needs a real endpoint
 calls `parse_address`.
 """
 
+import ipaddress
 import json
 import re
 from collections.abc import Mapping
@@ -114,6 +115,16 @@ def parse_address(address, field_name="address"):
     ('::1', 2222)
     """
     return split_address(address, field_name)
+
+
+def is_loopback(host):
+    """True for `localhost` and loopback IP addresses (IPv6 with or without brackets)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def format_address(host, port):

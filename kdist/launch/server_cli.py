@@ -10,14 +10,13 @@ that can fail before anything starts, so mistakes are usage errors, exit 2);
 """
 
 import dataclasses
-import ipaddress
 import os
 import signal
 import sys
 import threading
 
 from kdist.cluster import ClusterSpec, TFConfigClusterResolver
-from kdist.cluster.spec import split_address
+from kdist.cluster.spec import is_loopback, split_address
 from kdist.cluster.tf_config import TF_CONFIG, load_tf_config
 from kdist.errors import InvalidArgumentError, KdistError
 from kdist.launch.cluster_file import check_task, load_cluster
@@ -329,8 +328,8 @@ def _exposure_warnings(plan, server):
     host = server.bind_address.rpartition(":")[0].strip("[]")
     task_host = plan.cluster_spec.task_address(plan.job_name, plan.task_index)
     task_host = task_host.rpartition(":")[0].strip("[]")
-    if _is_loopback(host):
-        if not _is_loopback(task_host):
+    if is_loopback(host):
+        if not is_loopback(task_host):
             yield (
                 f"listening on {host} only, but the cluster names this task {task_host}: other "
                 "hosts cannot connect; pass --bind 0.0.0.0 to accept them"
@@ -338,15 +337,6 @@ def _exposure_warnings(plan, server):
         return
     # Running without the secret, or beyond this host without TLS, is logged by the
     # server itself (kdist.ps.Security.check_exposure), for every way of starting one.
-
-
-def _is_loopback(host):
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _describe(security):

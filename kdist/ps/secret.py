@@ -19,9 +19,26 @@ SECRET_FILE_ENV = "KDIST_SECRET_FILE"
 _TOKEN_CHARACTERS = frozenset(chr(code) for code in range(0x21, 0x7F))
 # Larger files are not secrets; refusing them early avoids reading a wrongly
 # named multi-gigabyte file into memory.
-_MAX_BYTES = 1 << 20
+MAX_FILE_BYTES = 1 << 20
 _process_secret = None
 _process_secret_lock = threading.Lock()
+
+
+def read_capped(path, what, received, expected):
+    """Returns the first `MAX_FILE_BYTES + 1` bytes of a small file (secrets, PEM files).
+
+    Raises:
+        kdist.errors.InvalidArgumentError: the file cannot be read; the message
+            says "Cannot read {what}", then `received` and `expected`.
+    """
+    try:
+        with open(path, "rb") as file:
+            return file.read(MAX_FILE_BYTES + 1)
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"Cannot read {what}: {error.strerror or error}. Received: {received}. "
+            f"Expected {expected}."
+        ) from None
 
 
 def environment_secret(environ=None):
@@ -79,14 +96,7 @@ def load_token(path):
 
     >>> Security(token=load_token("/etc/kdist/token"))  # doctest: +SKIP
     """
-    try:
-        with open(path, "rb") as file:
-            data = file.read(_MAX_BYTES + 1)
-    except OSError as error:
-        raise InvalidArgumentError(
-            f"Cannot read the token file: {error.strerror or error}. Received: path={path!r}. "
-            "Expected a readable file holding the token."
-        ) from None
+    data = read_capped(path, "the token file", f"path={path!r}", "a readable file holding the token")
     try:
         token = data.decode("ascii").strip()
     except UnicodeDecodeError:

@@ -24,25 +24,24 @@ Two protections:
 """
 
 import dataclasses
-import ipaddress
 import logging
 import os
 
 import grpc
 
+from kdist.cluster.spec import is_loopback
 from kdist.errors import InvalidArgumentError
 from kdist.ps.secret import (  # noqa: F401  (load_token: public here too)
+    MAX_FILE_BYTES,
     SECRET_ENV,
     SECRET_FILE_ENV,
     _check_token,
     cluster_secret,
     load_token,
+    read_capped,
 )
 
 _LOG = logging.getLogger("kdist.security")
-# Larger files are not certificates or keys; refusing them early avoids reading
-# a wrongly-named multi-gigabyte file into memory.
-_MAX_PEM_BYTES = 1 << 20
 _PEM_MARKERS = {
     "certificate_file": (b"-----BEGIN CERTIFICATE-----",),
     "ca_file": (b"-----BEGIN CERTIFICATE-----",),
@@ -276,21 +275,12 @@ class Security:
             _warn_once(("insecure", service),
                        f"kdist: the {service} at {host}:{port} runs without the cluster secret "
                        f"(Security.insecure() / --insecure): {risk}.")
-        if not self.server_tls and not _is_loopback(host):
+        if not self.server_tls and not is_loopback(host):
             _warn_once(("plain", service),
                        f"kdist: the {service} at {host}:{port} listens beyond this machine without "
                        "TLS: its traffic (weights, closures) can be read on the network. The "
                        "cluster secret still keeps strangers out; give Security TLS files to "
                        "encrypt (docs/parameter_server.md, Security).")
-
-
-def _is_loopback(host):
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _warn_once(key, message):
@@ -307,16 +297,9 @@ def _check_pem_file(name, path):
     path = os.fspath(path)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
-    try:
-        with open(path, "rb") as file:
-            head = file.read(_MAX_PEM_BYTES + 1)
-    except OSError as error:
-        raise InvalidArgumentError(
-            f"Cannot read {name}: {error.strerror or error}. Received: {name}={path!r}. "
-            "Expected an existing, readable PEM file."
-        ) from None
+    head = read_capped(path, name, f"{name}={path!r}", "an existing, readable PEM file")
     markers = _PEM_MARKERS[name]
-    if len(head) > _MAX_PEM_BYTES or not any(marker in head for marker in markers):
+    if len(head) > MAX_FILE_BYTES or not any(marker in head for marker in markers):
         kind = "certificate" if name != "private_key_file" else "unencrypted private key"
         raise InvalidArgumentError(
             f"{name} is not a PEM {kind}. Received: {name}={path!r}. Expected a file "
