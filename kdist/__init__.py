@@ -30,6 +30,7 @@ _BACKEND = select_backend()
 
 __all__ = [
     "CommunicationOptions",
+    "Compression",
     "CrossDeviceOps",
     "DistributedValues",
     "InputContext",
@@ -96,7 +97,7 @@ def _bind_public_names():
     backend = select_backend()
     from kdist import cluster, coordinator, distribute, errors, nn, ps
     from kdist.backends import visible_gpus
-    from kdist.collectives import CommunicationOptions, CrossDeviceOps, ReductionToOneDevice
+    from kdist.collectives import CommunicationOptions, Compression, CrossDeviceOps, ReductionToOneDevice
     from kdist.distribute import (
         DistributedValues,
         InputContext,

@@ -18,14 +18,17 @@ fails — a peer died, stalled, or the deadline passed — the survivors raise
 """
 
 import atexit
-import dataclasses
-import math
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from kdist.collectives.buckets import ReductionBuffers, _bucket_positions, _layout
+from kdist.collectives.options import (  # noqa: F401  (re-exported: kdist.collectives.process.CommunicationOptions)
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_SECONDS,
+    CommunicationOptions,
+)
 from kdist.collectives.heartbeat import Heartbeat
 from kdist.collectives.statistics import (
     CollectiveStatistics,
@@ -34,77 +37,6 @@ from kdist.collectives.statistics import (
     broadcast_wire_bytes,
 )
 from kdist.errors import CollectiveTimeoutError, InvalidArgumentError
-
-# Long enough for a slow first step (lazy builds, data loading, a checkpoint
-# written by the chief while the others wait at the barrier), short enough that
-# a dead job is noticed within minutes rather than torch's 30-minute default.
-DEFAULT_TIMEOUT_SECONDS = 300.0
-# kdist reduces once the whole backward pass is done, so small buckets (DDP's
-# 25 MiB, sized for overlapping with backward) would only add calls: measured on
-# gloo, 100 MB in 4 calls took 20-25% longer than in one. The cap bounds the size
-# of a single message.
-DEFAULT_BUCKET_BYTES = 256 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class CommunicationOptions:
-    """How `MultiWorkerMirroredStrategy` talks between processes.
-
-    Args:
-        timeout_seconds: deadline of every collective (and of joining the job).
-            Default `DEFAULT_TIMEOUT_SECONDS` (300 s).
-        bucket_bytes: the largest flattened buffer sent in one call.
-        backend: `"gloo"`, `"nccl"`, or None to pick NCCL when the process
-            drives GPUs and gloo otherwise.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: a value is out of range.
-
-    Example:
-
-    ```python
-    strategy = kdist.MultiWorkerMirroredStrategy(
-        communication_options=kdist.CommunicationOptions(timeout_seconds=60))
-    ```
-    """
-
-    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    backend: str = None
-
-    def __post_init__(self):
-        timeout = self.timeout_seconds
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
-            raise InvalidArgumentError(
-                f"timeout_seconds must be a positive, finite number of seconds. Received: "
-                f"timeout_seconds={timeout!r}."
-            )
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1024:
-            raise InvalidArgumentError(
-                "bucket_bytes must be an integer of at least 1024. Received: "
-                f"bucket_bytes={self.bucket_bytes!r}."
-            )
-        if self.backend not in (None, "gloo", "nccl"):
-            raise InvalidArgumentError(
-                f"Unknown backend. Received: backend={self.backend!r}. Expected 'gloo', "
-                "'nccl' or None (NCCL with GPUs, gloo otherwise)."
-            )
-
-    @classmethod
-    def from_argument(cls, communication_options):
-        """`communication_options`, or the defaults for None.
-
-        Raises:
-            kdist.errors.InvalidArgumentError: it is not a `CommunicationOptions`.
-        """
-        if communication_options is None:
-            return cls()
-        if not isinstance(communication_options, cls):
-            raise InvalidArgumentError(
-                "Expected a kdist.CommunicationOptions. Received: communication_options="
-                f"{communication_options!r}."
-            )
-        return communication_options
 
 
 class ProcessCollectives:
@@ -187,43 +119,61 @@ class ProcessCollectives:
         return self._statistics.snapshot()
 
     # ----- collectives -----------------------------------------------------
-    def all_reduce_sum(self, tensors, name="tensors"):
+    def all_reduce_sum(self, tensors, name="tensors", compressed=False):
         """Returns the element-wise sums over ranks of `tensors` (new tensors, same order).
 
         Tensors are bucketed per dtype; the results are views of fresh buckets.
+
+        Args:
+            compressed: send in `options.compression`'s dtype (gradients only).
         """
         tensors = list(tensors)
         if self.world_size == 1 or not tensors:
             return tensors
-        buffers = ReductionBuffers(tensors, self.options.bucket_bytes, self.device)
+        compression = self.options.compression if compressed else None
+        buffers = ReductionBuffers(tensors, self.options.bucket_bytes, self.device, compression=compression)
         buffers.fill(tensors)
         self.wait(self.start_all_reduce(buffers, name))
-        return buffers.views
+        return buffers.results()
 
-    def reduction_buffers(self, like, key):
+    def reduction_buffers(self, like, key, compressed=False, order=None):
         """Bucket buffers shaped like `like`, kept between calls with the same `key` and layout.
 
-        Write into `.views` (e.g. with `weighted_sum(..., out=views)`), then
-        `start_all_reduce`: the sums arrive in the same views, with no copy.
-        The views are overwritten by the next use of the same key.
+        Write into `.views` (e.g. with `fill_weighted`), then `start_all_reduce`:
+        the sums arrive in the same views, with no copy (`.results()` casts
+        them back when compressed). The views are overwritten by the next use
+        of the same key.
+
+        Args:
+            compressed: the buckets hold `options.compression`'s wire dtype
+                (for gradients; everything else travels exactly).
+            order: bucket in this order of positions, with a small first
+                bucket (`options.first_bucket_bytes`), for reducing during backward.
         """
         buffers = self._buffers.get(key)
         if buffers is None or not buffers.matches(like):
-            buffers = ReductionBuffers(like, self.options.bucket_bytes, self.device)
+            buffers = ReductionBuffers(
+                like,
+                self.options.bucket_bytes,
+                self.device,
+                compression=self.options.compression if compressed else None,
+                order=order,
+                first_bucket_bytes=self.options.first_bucket_bytes,
+            )
             self._buffers[key] = buffers
         return buffers
 
     def start_all_reduce(self, buffers, name="tensors"):
         """Starts summing every bucket of `buffers` over ranks; pass the result to `wait`."""
+        return [work for flat in buffers.flats for work in self.start_bucket(flat, name)]
+
+    def start_bucket(self, flat, name="tensors"):
+        """Starts summing one flat bucket over ranks in place; returns works for `wait`."""
         if self.world_size == 1:
             return []
         operation = f"all_reduce({name})"
-        works = []
-        for flat in buffers.flats:
-            self._record_all_reduce(operation, flat)
-            work = self._run(operation, lambda flat=flat: dist.all_reduce(flat, async_op=True))
-            works.append((operation, work))
-        return works
+        self._record_all_reduce(operation, flat)
+        return [(operation, self._run(operation, lambda: dist.all_reduce(flat, async_op=True)))]
 
     def wait(self, works):
         """Waits for collectives started with `start_all_reduce` (in order)."""
