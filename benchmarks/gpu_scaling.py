@@ -1,37 +1,28 @@
 """Data-parallel training over the GPUs of one machine: kdist's two engines against plain Keras and Keras' own DDP.
 
-One command measures, on every GPU this machine has (N of them), a
-ResNet-style convnet and a transformer block on synthetic data:
+A ResNet-style convnet and a transformer block on synthetic data, per-GPU batch B, on
+the N visible GPUs: `plain` (plain Keras on 1 GPU, the baseline); `mirrored`
+(`kdist.MirroredStrategy` in one process over N GPUs); `kdist_fp32`, `kdist_bf16`
+(`kdist launch --nproc N` running `kdist.MultiWorkerMirroredStrategy` on NCCL,
+gradients sent in fp32 or `kdist.Compression.bf16`); `keras316_ddp` (the same launcher
+running plain Keras 3.16, which wraps the model in `DistributedDataParallel` itself;
+each rank fits its slice of every global batch; it needs `--keras316-python`, else the
+line says why it was skipped). All configurations run under that one worker Python
+when it is usable, so the ratios compare engines, not Keras releases.
 
-- `plain`: plain Keras on 1 GPU, per-GPU batch B (the baseline);
-- `mirrored`: `kdist.MirroredStrategy` in one process over N GPUs, global batch N*B;
-- `kdist_fp32`, `kdist_bf16`: `kdist launch --nproc N` running
-  `kdist.MultiWorkerMirroredStrategy` on NCCL, one process per GPU, global batch
-  N*B, gradients sent in fp32 or compressed to bf16
-  (`CommunicationOptions(compression=kdist.Compression.bf16)`);
-- `keras316_ddp`: the same launcher running plain Keras 3.16, which wraps the model
-  in `DistributedDataParallel` once `torch.distributed` is initialized; each rank
-  fits its slice of every global batch. Needs `--keras316-python` (a venv with the
-  3.16 wheel); without it the line says why it was skipped.
-
-Every configuration runs in its own processes, measuring every model in turn: one
-timed window per round (`--rounds`) of `--steps` steps after `--warmup` untimed ones,
-bracketed by a device synchronisation on every GPU the process drives. All
-configurations use the same worker Python (the Keras 3.16 one when it is usable), so
-the ratios compare engines, not Keras releases. One JSON line per model gives samples/s
-per configuration (median of rounds), each one's scaling efficiency
-(`samples/s / (N * plain's samples/s)`) and the ratios kdist/Keras DDP, bf16/fp32 and
-one process/one process per GPU; benchmarks/README.md explains every field.
-
-Without a GPU it measures nothing: it prints one JSON line saying so and exits 0.
-`--device cpu` runs the same code paths on the CPU (gloo instead of NCCL, logical
-CPU replicas "cpu:0", "cpu:1", ...), which is how its structure is tested.
+Each configuration runs in its own processes and measures every model in turn: per
+round, one window of `--steps` steps after `--warmup` untimed ones, bracketed by a
+synchronisation of every GPU the process drives. One JSON line per model: samples/s
+(median of rounds), scaling efficiency (`samples/s / (N * plain's)`) and the ratios;
+benchmarks/README.md explains every field. Without a GPU it prints one JSON line
+saying nothing was measured and exits 0; `--device cpu` runs every code path but NCCL
+on the CPU (gloo, logical replicas "cpu:0", "cpu:1"), as the tests do.
 
 Usage:
 
-    python benchmarks/gpu_scaling.py                       # every visible GPU, about 6 minutes on 8
+    python benchmarks/gpu_scaling.py                       # every visible GPU
     python benchmarks/gpu_scaling.py --quick               # tiny models, a few steps
-    python benchmarks/gpu_scaling.py --device cpu --quick  # the CPU smoke run (2 logical GPUs)
+    python benchmarks/gpu_scaling.py --device cpu --quick  # CPU smoke run, 2 logical GPUs, ~20 s
 """
 
 import os
@@ -41,6 +32,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import datetime  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -60,25 +52,29 @@ CONFIGS = ONE_PROCESS_CONFIGS + LAUNCHED_CONFIGS
 # "quick" is smaller still in layers, for smoke runs.
 SIZES = {
     "full": {
-        "convnet": {"image_size": 32, "widths": (64, 128, 256), "blocks_per_stage": 2, "per_device_batch": 128},
-        "transformer": {"sequence_length": 256, "model_dim": 512, "num_heads": 8, "feedforward_dim": 2048,
-                        "num_blocks": 2, "vocabulary_size": 8192, "per_device_batch": 32},
+        "convnet": dict(image_size=32, widths=(64, 128, 256), blocks_per_stage=2, per_device_batch=128),
+        "transformer": dict(sequence_length=256, model_dim=512, num_heads=8, feedforward_dim=2048, num_blocks=2,
+                            vocabulary_size=8192, per_device_batch=32),
     },
     "tiny": {
-        "convnet": {"image_size": 8, "widths": (4, 4, 4), "blocks_per_stage": 2, "per_device_batch": 2},
-        "transformer": {"sequence_length": 4, "model_dim": 16, "num_heads": 8, "feedforward_dim": 16,
-                        "num_blocks": 2, "vocabulary_size": 32, "per_device_batch": 2},
+        "convnet": dict(image_size=8, widths=(4, 4, 4), blocks_per_stage=2, per_device_batch=2),
+        "transformer": dict(sequence_length=4, model_dim=16, num_heads=8, feedforward_dim=16, num_blocks=2,
+                            vocabulary_size=32, per_device_batch=2),
     },
     "quick": {
-        "convnet": {"image_size": 8, "widths": (8, 16), "blocks_per_stage": 1, "per_device_batch": 4},
-        "transformer": {"sequence_length": 8, "model_dim": 16, "num_heads": 2, "feedforward_dim": 32,
-                        "num_blocks": 1, "vocabulary_size": 64, "per_device_batch": 4},
+        "convnet": dict(image_size=8, widths=(8, 16), blocks_per_stage=1, per_device_batch=4),
+        "transformer": dict(sequence_length=8, model_dim=16, num_heads=2, feedforward_dim=32, num_blocks=1,
+                            vocabulary_size=64, per_device_batch=4),
     },
 }
 # Deadlines: a collective that waits longer fails its job; a job that runs longer is killed.
 COLLECTIVE_TIMEOUT_SECONDS = 120.0
 JOB_TIMEOUT_SECONDS = {"full": 900, "quick": 300}
 LAUNCH_GRACE_SECONDS = 10
+NO_GPU = ("no GPU: torch sees no CUDA device, so nothing was measured. Run it on a machine with GPUs, "
+          "or `--device cpu --quick` for the CPU smoke run.")
+RATIOS = (("kdist_fp32", "keras316_ddp"), ("kdist_bf16", "keras316_ddp"), ("kdist_bf16", "kdist_fp32"),
+          ("mirrored", "kdist_fp32"))
 
 
 # ----- models (replica_host_time.py builds the same ones) ----------------------------
@@ -143,15 +139,17 @@ class WindowTimer:
 
     def __init__(self, warmup, last, synchronize):
         self.warmup, self.last, self.synchronize = warmup, last, synchronize
-        self.start = self.end = None
+        self.times = {}
 
     def __call__(self, batch, logs=None):
-        if batch == self.warmup - 1:
+        if batch in (self.warmup - 1, self.last):
+            # Without it the host would time how fast it queues kernels, not how fast the GPUs run them.
             self.synchronize()
-            self.start = time.perf_counter()
-        elif batch == self.last:
-            self.synchronize()
-            self.end = time.perf_counter()
+            self.times[batch] = time.perf_counter()
+
+    @property
+    def seconds(self):
+        return self.times[self.last] - self.times[self.warmup - 1]
 
 
 def _worker_setup(args):
@@ -171,8 +169,6 @@ def _worker_setup(args):
         strategy = kdist.MirroredStrategy(devices=[f"{args.device}:{i}" for i in range(args.num_gpus)])
         return strategy.scope(), 0, 1, list(range(args.num_gpus)), facts, lambda: None
     if args.role == "keras316_ddp":
-        import datetime
-
         import torch.distributed as dist
 
         backend = "nccl" if args.device == "cuda" else "gloo"
@@ -183,15 +179,8 @@ def _worker_setup(args):
         options["compression"] = kdist.Compression.bf16
     strategy = kdist.MultiWorkerMirroredStrategy(communication_options=kdist.CommunicationOptions(**options))
     collectives = strategy.extended.collectives
-    facts["backend"] = getattr(collectives, "backend", None)
     facts["collectives"] = collectives
     return strategy.scope(), collectives.rank, collectives.world_size, [local_rank], facts, collectives.shutdown
-
-
-def _gradient_wire_bytes(collectives):
-    """Bytes kdist counted on the wire for gradient all-reduces so far (0 without statistics)."""
-    stats = getattr(collectives, "statistics", None) or {}
-    return sum(getattr(entry, "wire_bytes", 0) for key, entry in stats.items() if "gradients" in key)
 
 
 def measure_model(args, model_name, scope, rank, world_size, devices, facts):
@@ -200,15 +189,14 @@ def measure_model(args, model_name, scope, rank, world_size, devices, facts):
     import torch
 
     spec = SIZES[args.size][model_name]
-    per_device_batch = spec["per_device_batch"]
-    global_batch = per_device_batch * args.num_gpus
+    global_batch = spec["per_device_batch"] * args.num_gpus
     num_steps = args.warmup + args.steps
     keras.utils.set_random_seed(0)
     with scope:
         model = build_model(keras, model_name, spec)
     x, y = synthetic_data(model_name, spec, global_batch * num_steps)
     if args.role == "plain":
-        fit_batch = global_batch = per_device_batch
+        fit_batch = global_batch = spec["per_device_batch"]
         x, y = x[: global_batch * num_steps], y[: global_batch * num_steps]
     elif args.role == "keras316_ddp":
         # Rank r fits its contiguous slice of every global batch, as kdist splits it.
@@ -224,18 +212,20 @@ def measure_model(args, model_name, scope, rank, world_size, devices, facts):
             for index in devices:
                 torch.cuda.synchronize(index)
 
-    collectives = facts.get("collectives")
+    def wire_bytes_so_far():  # what kdist counted on the wire for gradient all-reduces
+        stats = getattr(facts.get("collectives"), "statistics", None) or {}
+        return sum(getattr(entry, "wire_bytes", 0) for key, entry in stats.items() if "gradients" in key)
+
     samples_per_sec, wire_bytes = [], []
     for _ in range(args.rounds):
         timer = WindowTimer(args.warmup, num_steps - 1, synchronize)
-        sent_before = _gradient_wire_bytes(collectives)
+        sent_before = wire_bytes_so_far()
         model.fit(x, y, batch_size=fit_batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=timer)])
-        samples_per_sec.append(global_batch * args.steps / (timer.end - timer.start))
-        wire_bytes.append((_gradient_wire_bytes(collectives) - sent_before) / num_steps)
-    result = {"samples_per_sec_by_round": samples_per_sec, "global_batch": global_batch,
-              "num_parameters": int(model.count_params())}
-    if collectives is not None:
+        samples_per_sec.append(global_batch * args.steps / timer.seconds)
+        wire_bytes.append((wire_bytes_so_far() - sent_before) / num_steps)
+    result = {"samples_per_sec_by_round": samples_per_sec, "num_parameters": int(model.count_params())}
+    if "collectives" in facts:
         result["gradient_wire_bytes_per_step"] = statistics.median(wire_bytes)
     if args.role == "keras316_ddp":
         # Proof that Keras' DDP path ran, not an unsynchronised plain fit.
@@ -324,28 +314,15 @@ def model_line(args, model_name, replies, skipped, failed):
         "samples_per_sec": {config: round(value, 1) for config, value in rate.items()},
         "samples_per_sec_by_round": {c: [round(v, 1) for v in r["samples_per_sec_by_round"]] for c, r in measured.items()},
         "scaling_efficiency": {config: _ratio(rate[config], plain and n * plain) for config in rate if config != "plain"},
-        "ratios": {
-            "kdist_fp32/keras316_ddp": _ratio(rate.get("kdist_fp32"), rate.get("keras316_ddp")),
-            "kdist_bf16/keras316_ddp": _ratio(rate.get("kdist_bf16"), rate.get("keras316_ddp")),
-            "kdist_bf16/kdist_fp32": _ratio(rate.get("kdist_bf16"), rate.get("kdist_fp32")),
-            "mirrored/kdist_fp32": _ratio(rate.get("mirrored"), rate.get("kdist_fp32")),
-        },
+        "ratios": {f"{a}/{b}": _ratio(rate.get(a), rate.get(b)) for a, b in RATIOS},
         "gradient_wire_bytes_per_step": {c: round(r["gradient_wire_bytes_per_step"]) for c, r in measured.items()
                                          if "gradient_wire_bytes_per_step" in r},
         "keras316_ddp_wrapped": measured.get("keras316_ddp", {}).get("ddp_wrapped"),
         "worker_keras": next((reply.get("keras") for reply in replies.values()), None),
         "skipped": skipped,
         "failed": failed,
-        "rounds": args.rounds,
-        "steps_per_round": args.steps,
-        "warmup_steps_per_round": args.warmup,
+        "rounds": args.rounds, "steps_per_round": args.steps, "warmup_steps_per_round": args.warmup,
     }
-
-
-def no_gpu_line():
-    return {"benchmark": "gpu_scaling", "measured": False,
-            "skipped": "no GPU: torch sees no CUDA device, so nothing was measured. Run it on a machine "
-                       "with GPUs, or `--device cpu --quick` for the CPU smoke run."}
 
 
 def parse_args(argv=None):
@@ -362,11 +339,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, help="timed steps per window (default 30; 3 with --quick)")
     parser.add_argument("--warmup", type=int, help="untimed steps before each window (default 3; 2 with --quick)")
     parser.add_argument("--job-timeout", type=int, help="seconds per configuration (default 900; 300 with --quick)")
-    parser.add_argument(
-        "--keras316-python", default=os.environ.get("KDIST_KERAS316_PYTHON")
-        or os.path.normpath(os.path.join(repo, "..", "venv316", "bin", "python")),
-        help="Python with Keras 3.16.0, runs every configuration when usable (default: $KDIST_KERAS316_PYTHON or %(default)s)",
-    )
+    default_python = os.environ.get("KDIST_KERAS316_PYTHON") or os.path.join(repo, "..", "venv316", "bin", "python")
+    parser.add_argument("--keras316-python", default=os.path.normpath(default_python),
+                        help="Python with Keras 3.16.0; runs every configuration when usable (default %(default)s)")
     args = parser.parse_args(argv)
     args.size = args.size or ("quick" if args.quick else "full")
     args.rounds = args.rounds or (2 if args.quick else 5)
@@ -393,7 +368,7 @@ def main(argv=None):
     args.device = args.device or ("cuda" if num_visible else None)
     if args.device is None:
         print("gpu_scaling: no GPU (torch sees no CUDA device); nothing was measured.", file=sys.stderr)
-        print(json.dumps(no_gpu_line()), flush=True)
+        print(json.dumps({"benchmark": "gpu_scaling", "measured": False, "skipped": NO_GPU}), flush=True)
         return 0
     args.num_gpus = args.num_gpus or (num_visible if args.device == "cuda" else 2)
     if args.device == "cuda" and not 1 <= args.num_gpus <= num_visible:
@@ -406,14 +381,10 @@ def main(argv=None):
     python = sys.executable if keras316_reason else args.keras316_python
     skipped = skip_reasons(args, keras316_reason)
     replies, failed = {}, {}
-    for config in args.configs:
-        if config in skipped:
-            continue
-        reply_, why = run_job(job_command(args, config, python), args)
-        if why is None:
-            replies[config] = reply_
-        else:
-            failed[config] = why
+    for config in [c for c in args.configs if c not in skipped]:
+        answer, why = run_job(job_command(args, config, python), args)
+        replies.update({config: answer} if why is None else {})
+        failed.update({} if why is None else {config: why})
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     env = environment(device=device_name, num_devices=args.num_gpus, worker_python=python,
                       backend="nccl" if args.device == "cuda" else "gloo")
