@@ -67,28 +67,26 @@ class ReductionBuffers:
                 self.bucket_of[p] = index
             self.flats.append(flat)
             self.bucket_positions.append(positions)
-        # Compressed: the sums cast back to each tensor's own dtype, reused step to step.
-        self._results = None
+        # Where the sums are read: the views, or (compressed) tensors of the
+        # original dtypes that `decompress` fills; allocated once, reused.
+        self.outputs = self.views
+        if self.compressed:
+            self.outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.layout]
 
     def matches(self, like):
         return _layout(like) == self.layout
 
-    def results(self, positions=None):
-        """The reduced values in the tensors' own dtypes (the views themselves when not compressed).
+    def decompress(self, positions=None):
+        """Casts the (reduced) views back into `outputs` (no-op when not compressed).
 
         Args:
-            positions: cast back only these (default: all); the others are None.
+            positions: only these (default: all).
         """
         if not self.compressed:
-            return self.views
-        if self._results is None:
-            self._results = [torch.empty(shape, dtype=dtype, device=self.views[0].device) for shape, dtype in self.layout]
-        chosen = range(len(self.layout)) if positions is None else positions
-        results = [None] * len(self.layout)
+            return
         with torch.no_grad():
-            for p in chosen:
-                results[p] = self._results[p].copy_(self.views[p])
-        return results
+            for p in range(len(self.layout)) if positions is None else positions:
+                self.outputs[p].copy_(self.views[p])
 
     def fill_weighted(self, tensor_lists, weights):
         """Writes `Σ_k weights[k] * tensor_lists[k][i]` into view i; returns the views.

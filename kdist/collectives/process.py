@@ -134,7 +134,7 @@ class ProcessCollectives:
         buffers = ReductionBuffers(tensors, self.options.bucket_bytes, self.device, compression=compression)
         buffers.fill(tensors)
         self.wait(self.start_all_reduce(buffers, name))
-        return buffers.results()
+        return buffers.outputs
 
     def reduction_buffers(self, like, key, compressed=False, order=None):
         """Bucket buffers shaped like `like`, kept between calls with the same `key` and layout.
@@ -164,8 +164,15 @@ class ProcessCollectives:
         return buffers
 
     def start_all_reduce(self, buffers, name="tensors"):
-        """Starts summing every bucket of `buffers` over ranks; pass the result to `wait`."""
-        return [work for flat in buffers.flats for work in self.start_bucket(flat, name)]
+        """Starts summing every bucket of `buffers` over ranks; pass the result to `wait`.
+
+        After `wait` the sums are in `buffers.outputs` (cast back from the
+        wire dtype when compressed).
+        """
+        works = [work for flat in buffers.flats for work in self.start_bucket(flat, name)]
+        if buffers.compressed:
+            works.append((f"all_reduce({name})", _Decompression(buffers)))
+        return works
 
     def start_bucket(self, flat, name="tensors"):
         """Starts summing one flat bucket over ranks in place; returns works for `wait`."""
@@ -315,6 +322,16 @@ def _check_existing_group(rendezvous):
             f"process group, but the cluster resolver says rank={rendezvous.rank}, "
             f"world_size={rendezvous.world_size}."
         )
+
+
+class _Decompression:
+    """A step of `wait`: casts compressed sums back once the buckets before it have arrived."""
+
+    def __init__(self, buffers):
+        self._buffers = buffers
+
+    def wait(self):
+        self._buffers.decompress()
 
 
 def _nbytes(tensor):

@@ -108,7 +108,8 @@ class MultiWorkerExtended(ChiefRoles, MirroredExtended):
 
     def _sum_tensors_over_processes(self, tensors):
         tensors = list(tensors)
-        summed = self.collectives.all_reduce_sum(tensors, name="sum_tensors")
+        # Only gradients come here (custom loops' apply_gradients): compressed like the engine's.
+        summed = self.collectives.all_reduce_sum(tensors, name="sum_tensors", compressed=True)
         return [total.to(tensor.device) for total, tensor in zip(summed, tensors)]
 
     def gather_to(self, value, axis, destination):

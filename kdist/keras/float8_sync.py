@@ -40,6 +40,11 @@ class Float8Layout:
         ]
         self.output_gradient = {id(v) for v in self.output_gradient_variables}
 
+    @property
+    def active(self):
+        """True when the model has float8 variables (their "gradients" combine by maximum)."""
+        return bool(self.overwritten or self.output_gradient_variables)
+
 
 def prescale(scope, layout, share, device):
     """Makes a replica with share `share` of the batch read output-gradient scales and histories / share.

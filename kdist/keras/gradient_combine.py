@@ -34,8 +34,14 @@ def weights_for_call(engine, replicas, total, denominators):
     return loss_denominators.replica_weights(denominators, sizes, total, sum_over_processes)
 
 
-def combine_recorded(engine, replicas, total, recorders):
+def combine_recorded(engine, replicas, total, recorders, reduce=True, extra=None):
     """Combines every recorded `apply` call of a sequential step.
+
+    Args:
+        reduce: in a multi-worker job, sum over processes (False: this
+            process's replicas only, for an accumulation micro-step).
+        extra: tensors added to the first call's combined gradients before
+            they are reduced (the pending sums of `gradient_accumulation`).
 
     Returns:
         `(updates, pending, weights)`: `updates` lists `(optimizer, variables,
@@ -59,7 +65,9 @@ def combine_recorded(engine, replicas, total, recorders):
         optimizer, _, variables, _ = calls_per_replica[0][call_index]
         weights = weights_for_call(engine, replicas, total, [calls[call_index][3] for calls in calls_per_replica])
         gradient_lists = [calls[call_index][1] for calls in calls_per_replica]
-        gradients, works = combine_call(engine, call_index, replicas, variables, gradient_lists, weights)
+        gradients, works = combine_call(
+            engine, call_index, replicas, variables, gradient_lists, weights, reduce, extra if call_index == 0 else None
+        )
         updates.append((optimizer, variables, gradients))
         pending.extend(works)
     if weights is None:  # a step that applied nothing: the samples' shares
@@ -67,8 +75,11 @@ def combine_recorded(engine, replicas, total, recorders):
     return updates, pending, weights
 
 
-def combine_call(engine, call_index, replicas, variables, gradient_lists, weights):
-    """Combines one `apply` call's gradients, one list per replica: `(gradients, pending)`."""
+def combine_call(engine, call_index, replicas, variables, gradient_lists, weights, reduce=True, extra=None):
+    """Combines one `apply` call's gradients, one list per replica: `(gradients, pending)`.
+
+    `reduce` and `extra` as for `combine_recorded`.
+    """
     faults = engine.faults
     processes = engine._processes
     device = engine._devices[0].torch_device
@@ -84,13 +95,17 @@ def combine_call(engine, call_index, replicas, variables, gradient_lists, weight
     _check_gradients(replicas, variables, gradient_lists)
     present = [i for i, grad in enumerate(gradient_lists[0]) if grad is not None]
     lists = [[grads[i] for i in present] for grads in gradient_lists]
+    if extra is not None:
+        lists.append([extra[i] for i in present])
+        weights = list(weights) + [1.0]
     pending = []
-    if processes is None:
+    if processes is None or not reduce:
         combined = weighted_sum(lists, weights, device)
     else:
         # Written straight into the communication buckets: no extra copy.
-        buffers = processes.buffers(lists[0], key=("gradients", call_index))
-        combined = buffers.fill_weighted(lists, weights)
+        buffers = processes.buffers(lists[0], key=("gradients", call_index), compressed=True)
+        buffers.fill_weighted(lists, weights)
+        combined = buffers.outputs
         pending = processes.start(buffers, name="gradients")
     full = [None] * len(variables)
     for position, grad in zip(present, combined):

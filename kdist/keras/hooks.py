@@ -24,6 +24,7 @@ from kdist.errors import InvalidArgumentError, StrategyScopeError
 from kdist.keras import (
     _compat,
     coordinator_runtime,
+    gradient_accumulation,
     gradient_merge,
     multi_worker,
     ps_training,
@@ -204,7 +205,11 @@ def _scoped(model, name):
                 share = not replica_engine._TESTING_FAULTS.unshared_random_state
                 args, kwargs = multi_worker.adjust_call(method, self, args, kwargs, strategy, share)
                 with multi_worker.input_synchronisation(collectives):
-                    return method(self, *args, **kwargs)
+                    result = method(self, *args, **kwargs)
+                if name == "fit":
+                    # Accumulated gradients still pending on each rank join the optimizer's.
+                    gradient_accumulation.flush(self)
+                return result
             return method(self, *args, **kwargs)
 
     functools.update_wrapper(scoped, method)

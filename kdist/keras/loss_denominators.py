@@ -83,6 +83,21 @@ def peek():
     return None if records is None else _summarise(records)
 
 
+def current_records():
+    """This thread's record list since the last `begin()`/`take()` (None outside recording).
+
+    For readers in other threads (autograd hooks run on device threads):
+    pass it to `summarise`. `take()` starts a new list, so this one stops
+    growing at the next `take()`.
+    """
+    return getattr(_local, "records", None)
+
+
+def summarise(records):
+    """What `take()` returns for a list from `current_records()`."""
+    return _summarise(records)
+
+
 def _summarise(records):
     if not records or any(denominator is None for denominator, _ in records):
         return None

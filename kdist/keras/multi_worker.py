@@ -29,7 +29,7 @@ import torch
 
 from kdist import atomic_files
 from kdist.errors import KdistError
-from kdist.keras import _compat, atomic_save
+from kdist.keras import _compat, atomic_save, gradient_accumulation
 
 _active = threading.local()
 
@@ -194,6 +194,7 @@ def atomic_write(path, write_to):
 
 def collective_save(strategy, save, model, filepath, args, kwargs):
     """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait."""
+    gradient_accumulation.flush(model)  # the file holds the whole job's accumulated gradients
     write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
     run_on_chief(collectives_of(strategy), write, f"save({os.fspath(filepath)})")
 
@@ -215,6 +216,7 @@ def _make_backup_collective(callback, strategy):
         atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: _encode_random_state()})
 
     def _save_model():
+        gradient_accumulation.flush(callback.model)
         run_on_chief(collectives, write, "BackupAndRestore")
 
     original_begin = callback.on_train_begin

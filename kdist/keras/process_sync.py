@@ -69,13 +69,31 @@ class ProcessSync:
         return [sum(sizes[r * num_local : (r + 1) * num_local]) for r in range(self.world_size)]
 
     # ----- reductions ------------------------------------------------------------
-    def buffers(self, like, key):
-        """Communication buckets shaped like `like`, reused from step to step."""
-        return self._collectives.reduction_buffers(like, key)
+    @property
+    def options(self):
+        """The job's `CommunicationOptions`."""
+        return self._collectives.options
+
+    @property
+    def device(self):
+        """Where communication buffers live."""
+        return self._collectives.device
+
+    def buffers(self, like, key, compressed=False, order=None):
+        """Communication buckets shaped like `like`, reused from step to step.
+
+        `compressed` for gradients (the job's `Compression`); `order` buckets
+        in the order backward produces the tensors (see `gradient_overlap`).
+        """
+        return self._collectives.reduction_buffers(like, key, compressed=compressed, order=order)
 
     def start(self, buffers, name):
-        """Starts summing `buffers` over ranks; results land in `buffers.views` after `wait`."""
+        """Starts summing `buffers` over ranks; results land in `buffers.outputs` after `wait`."""
         return self._collectives.start_all_reduce(buffers, name)
+
+    def start_bucket(self, flat, name):
+        """Starts summing one flat bucket over ranks, in place."""
+        return self._collectives.start_bucket(flat, name)
 
     def start_reduction(self, tensors, key):
         """Copies `tensors` into reusable buckets and starts summing them; returns `(views, works)`."""
@@ -85,6 +103,10 @@ class ProcessSync:
 
     def wait(self, works):
         self._collectives.wait(works)
+
+    def sum_tensors(self, tensors, name):
+        """Element-wise sums of `tensors` over ranks (bucketed, blocking, exact)."""
+        return self._collectives.all_reduce_sum(tensors, name=name)
 
     def sum_over_ranks(self, values):
         """Sums a few Python floats over ranks (one small blocking all-reduce); returns floats."""

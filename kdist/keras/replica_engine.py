@@ -36,8 +36,10 @@ from kdist.errors import UnsupportedError
 from kdist.keras import (
     _compat,
     float8_sync,
+    gradient_accumulation,
     gradient_combine,
     gradient_merge,
+    gradient_overlap,
     loss_denominators,
     merged_step,
     process_sync,
@@ -79,6 +81,12 @@ class FaultInjection:
             another, instead of summing the gradients and applying once.
         no_merge_mode: keep recording a `train_step` that applies twice, so
             its second gradients are computed before the first update lands.
+        overlap_ignores_changed_gradients: in a multi-worker job, apply the
+            gradients reduced during backward even when `train_step` changed
+            them before `optimizer.apply`.
+        dropped_pending_gradients: in a multi-worker job with gradient
+            accumulation, leave the micro-steps' pending gradients out of the
+            update step's all-reduce.
     """
 
     unweighted_gradient_mean: bool = False
@@ -93,6 +101,8 @@ class FaultInjection:
     upstream_ddp_wrap: bool = False
     unmerged_replica_apply: bool = False
     no_merge_mode: bool = False
+    overlap_ignores_changed_gradients: bool = False
+    dropped_pending_gradients: bool = False
 
 
 _TESTING_FAULTS = FaultInjection()
@@ -119,6 +129,11 @@ class ReplicaEngine:
         # every `optimizer.apply` or merge: from the start for synchronized
         # BatchNormalization, else from the first step that applies twice.
         self._merge_mode = sync_batchnorm.needs_merge_mode(model)
+        # Multi-worker only: reduce during backward, and defer accumulation micro-steps.
+        self._overlap = gradient_overlap.GradientOverlap(self)
+        self._overlapped = None
+        self._accumulation = gradient_accumulation.DeferredAccumulation(self)
+        object.__setattr__(model, "_kdist_engine", self)
 
     # ----- Keras step-function entry points (receive a list of batches) -----
     def train_function(self, data):
@@ -155,18 +170,40 @@ class ReplicaEngine:
         return merged_step.train_batch(self, state, replicas, total)
 
     def _train_batch_recorded(self, state, replicas, total):
-        """Runs the replicas one after another, recording their one `apply` each, then applies once."""
+        """Runs the replicas one after another, recording their one `apply` each, then applies once.
+
+        In a multi-worker job the gradients are reduced while backward runs
+        where the step allows it (`gradient_overlap`), and not at all on
+        accumulation micro-steps (`gradient_accumulation`).
+        """
         model = self._model
+        deferral = self._accumulation.step_kind(state)
+        overlapped = None if deferral is not None else self._overlap.begin(state, replicas, total)
+        self._overlapped = overlapped
         scopes, replica_logs, recorders = [], [], []
-        for replica_id, shard, size in replicas:
-            recorder = gradient_merge.GradientRecorder(single_call=not _TESTING_FAULTS.no_merge_mode)
-            with gradient_merge.recording(recorder):
-                scope, logs, _ = self._run_replica(replica_id, model.train_step, shard, state, True, size / total)
-            scopes.append(scope)
-            replica_logs.append(logs)
-            recorders.append(recorder)
-        gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
-        updates, pending, weights = gradient_combine.combine_recorded(self, replicas, total, recorders)
+        combined = None
+        try:
+            for replica_id, shard, size in replicas:
+                recorder = gradient_merge.GradientRecorder(single_call=not _TESTING_FAULTS.no_merge_mode)
+                with gradient_merge.recording(recorder):
+                    scope, logs, _ = self._run_replica(replica_id, model.train_step, shard, state, True, size / total)
+                scopes.append(scope)
+                replica_logs.append(logs)
+                recorders.append(recorder)
+            gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
+            if overlapped is not None:
+                combined = overlapped.finish(recorders)
+        except gradient_merge.MergeModeNeeded:
+            if overlapped is not None:
+                # Every rank got here alike; the buckets already on their way must land first.
+                overlapped.drain()
+            raise
+        finally:
+            self._overlapped = None
+            self._overlap.disarm()
+        if combined is None:
+            combined = self._accumulation.combine(replicas, total, recorders, deferral)
+        updates, pending, weights = combined
         # In a multi-worker job the gradient and state all-reduces run together;
         # this waits for both before anything is assigned.
         self._reconcile(state, scopes, weights, pending)
@@ -304,13 +341,22 @@ class ReplicaEngine:
             context.pop(self._strategy)
 
     def replica_on_enter(self, replica_id, state, share, training):
-        """What runs as a replica's scope opens: float8 output-gradient scales for its share (None: nothing)."""
-        if not training or not state.float8.output_gradient_variables or _TESTING_FAULTS.float8_mean:
+        """What runs as a replica's scope opens (None: nothing).
+
+        float8 output-gradient scales for its share; an overlapped step reads
+        the loss divisors recorded from here on.
+        """
+        overlapped = self._overlapped if training else None
+        prescale = training and state.float8.output_gradient_variables and not _TESTING_FAULTS.float8_mean
+        if not prescale and overlapped is None:
             return None
         device = self._devices[replica_id].torch_device
 
         def on_enter(scope):
-            float8_sync.prescale(scope, state.float8, share, device)
+            if overlapped is not None:
+                overlapped.capture_denominators()
+            if prescale:
+                float8_sync.prescale(scope, state.float8, share, device)
 
         return on_enter
 
