@@ -10,7 +10,9 @@ Method. The models keep every layer of `gpu_scaling.py`'s full size (so the same
 number of ops per step) but their tensors are shrunk (8x8 images with 4 channels,
 4 tokens of width 16, 2 samples per replica; `SIZES["tiny"]`), so the arithmetic is
 negligible and a step's time is host time: Python, Keras, kdist and torch's dispatch
-of each op. One torch thread. Configurations, timed side by side:
+of each op. One torch thread, and each step is timed in CPU time of this process
+(`time.process_time`), which other processes' load barely changes, as well as in wall
+time. Configurations, timed side by side:
 
 - `plain`: plain Keras, one step on one replica's batch (2 samples);
 - `plain_double_batch`: the same on twice the batch. Its extra time bounds how much of
@@ -35,7 +37,8 @@ is the check of these estimates.
 
 Each round times one `fit` of `--steps` steps per configuration, interleaved; the
 step time of a round is the median of its steps' durations (a step callback's
-timestamps), and the reported one the median over rounds.
+timestamps), and the reported one the median over rounds. The estimates come from CPU
+time; `from_wall_time` repeats them from wall time, which agrees on a quiet machine.
 
 Usage:
 
@@ -87,13 +90,18 @@ def build_configs(model_name, replica_counts):
 
 
 def median_step_seconds(model, x, y, batch_size, num_warmup):
-    """The median duration of the steps of one `fit` epoch after `num_warmup` steps."""
-    step_ends = []
-    timer = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: step_ends.append(time.perf_counter()))
+    """`(cpu, wall)`: the median CPU and wall seconds of the steps of one `fit` epoch after `num_warmup` steps."""
+    cpu_ends, wall_ends = [], []
+
+    def on_step_end(batch, logs):
+        cpu_ends.append(time.process_time())
+        wall_ends.append(time.perf_counter())
+
     # Collect now so a collection triggered by an earlier config is not billed here.
     gc.collect()
+    timer = keras.callbacks.LambdaCallback(on_train_batch_end=on_step_end)
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-    return statistics.median(step_durations(step_ends, num_warmup))
+    return tuple(statistics.median(step_durations(ends, num_warmup)) for ends in (cpu_ends, wall_ends))
 
 
 def fit_line(points):
@@ -122,25 +130,28 @@ def measure(model_name, replica_counts, num_steps, num_rounds, num_warmup):
     spec = SIZES["tiny"][model_name]
     largest = max(batch for _, batch in configs.values())
     x, y = synthetic_data(model_name, spec, largest * (num_steps + num_warmup))
-    seconds = {name: [] for name in configs}
+    cpu_seconds, wall_seconds = {name: [] for name in configs}, {name: [] for name in configs}
     for name, (model, batch) in configs.items():  # builds, compiles the step functions, warms up
         median_step_seconds(model, x[: batch * 3], y[: batch * 3], batch, num_warmup=1)
     for _ in range(num_rounds):
         for name, (model, batch) in configs.items():
             samples = batch * (num_steps + num_warmup)
-            seconds[name].append(median_step_seconds(model, x[:samples], y[:samples], batch, num_warmup))
-    step_ms = {name: 1000 * statistics.median(values) for name, values in seconds.items()}
+            cpu, wall = median_step_seconds(model, x[:samples], y[:samples], batch, num_warmup)
+            cpu_seconds[name].append(cpu)
+            wall_seconds[name].append(wall)
+    step_ms = {name: 1000 * statistics.median(values) for name, values in cpu_seconds.items()}
+    wall_ms = {name: 1000 * statistics.median(values) for name, values in wall_seconds.items()}
     plain = step_ms["plain"]
     return {
         "model": model_name,
         "spec": {key: list(v) if isinstance(v, tuple) else v for key, v in spec.items()},
         "num_variables": len(configs["plain"][0].variables),
-        "step_ms": {name: round(value, 3) for name, value in step_ms.items()},
-        "step_ms_by_round": {name: [round(1000 * s, 3) for s in values] for name, values in seconds.items()},
+        "step_cpu_ms": {name: round(value, 3) for name, value in step_ms.items()},
+        "step_cpu_ms_by_round": {name: [round(1000 * s, 3) for s in v] for name, v in cpu_seconds.items()},
         **estimates(step_ms, replica_counts),
-        # Load from other processes only ever adds time: the fastest round of each configuration is the
-        # least disturbed estimate on a busy machine.
-        "from_round_minimums": estimates({n: 1000 * min(v) for n, v in seconds.items()}, replica_counts),
+        # The same from wall time: it agrees with CPU time on a quiet machine and grows with other processes' load.
+        "step_wall_ms": {name: round(value, 3) for name, value in wall_ms.items()},
+        "from_wall_time": estimates(wall_ms, replica_counts),
         # Each mirrored_N step against N plain steps on the same shards: 1.0 = no cost beyond Keras' own.
         "ratio_vs_n_plain_steps": {f"mirrored_{n}": round(step_ms[f"mirrored_{n}"] / (n * plain), 3) for n in replica_counts},
         "compute_share_bound": round(max(0.0, step_ms["plain_double_batch"] / plain - 1), 3),
