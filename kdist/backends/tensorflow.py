@@ -25,7 +25,7 @@ from kdist._backend import STRATEGY_BACKENDS
 from kdist.backends.common import BackendExtended, BackendReplicaContext, BackendStrategy
 from kdist.backends.common import PerReplicaElements, SplitDataset
 from kdist.cluster import TorchrunClusterResolver, resolve_cluster
-from kdist.collectives import CommunicationOptions, CrossDeviceOps, ReductionToOneDevice
+from kdist.collectives import CommunicationOptions, Compression, CrossDeviceOps, ReductionToOneDevice
 from kdist.distribute import context
 from kdist.distribute.devices import resolve_devices
 from kdist.errors import BackendError, InvalidArgumentError, InvalidDeviceError, UnsupportedError
@@ -273,10 +273,14 @@ class MultiWorkerMirroredStrategy(_TensorFlowStrategy):
             rendezvous) are refused: launch with `kdist launch --workers N`.
         communication_options: `kdist.CommunicationOptions`; its
             `timeout_seconds` becomes TensorFlow's collective timeout.
+            TensorFlow reduces in its own buckets during its own graph, so
+            `compression` must stay `Compression.none`; the bucket and overlap
+            fields do not apply.
         devices: must be None: TensorFlow uses every local GPU, else the CPU.
 
     Raises:
-        kdist.errors.UnsupportedError: torchrun variables, or `devices` given.
+        kdist.errors.UnsupportedError: torchrun variables, `devices` given,
+            or gradient compression asked for.
         kdist.errors.BackendError: TensorFlow's runtime already started (the
             strategy must be created before any TensorFlow computation).
     """
@@ -290,6 +294,13 @@ class MultiWorkerMirroredStrategy(_TensorFlowStrategy):
                 f"the CPU, and takes no device list. Received: devices={devices!r}. Pass devices=None."
             )
         communication_options = CommunicationOptions.from_argument(communication_options)
+        if communication_options.compression != Compression.none:
+            raise UnsupportedError(
+                "Gradient compression is not available on the TensorFlow backend: "
+                "tf.distribute's collectives send gradients in their own dtype. Received: "
+                f"compression={communication_options.compression!r}. Use "
+                "kdist.Compression.none there, or KERAS_BACKEND=torch."
+            )
         resolver = resolve_cluster(cluster_resolver)
         if isinstance(resolver, TorchrunClusterResolver):
             raise UnsupportedError(

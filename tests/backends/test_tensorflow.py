@@ -46,3 +46,19 @@ def test_multi_worker_mirrored_strategy_matches_one_process_plain_keras():
         difference = max(float(np.max(np.abs(np.asarray(got) - np.asarray(other))))
                          for got, other in zip(result["weights"], half_batch["weights"], strict=True))
         assert difference > 1e-3, difference
+
+
+def test_gradient_compression_is_refused_on_tensorflow():
+    # tf.distribute's collectives send gradients in their own dtype: asking for
+    # bf16 must fail, naming the option, not train silently in full precision.
+    _matrix.require_installed("tensorflow")
+    script = (
+        "import kdist, pytest\n"
+        "options = kdist.CommunicationOptions(compression=kdist.Compression.bf16)\n"
+        "with pytest.raises(kdist.errors.UnsupportedError, match='compression=kdist.Compression.bf16'):\n"
+        "    kdist.MultiWorkerMirroredStrategy(communication_options=options)\n"
+        "print('REFUSED')\n"
+    )
+    specs = harness.python_specs([("tf-0", {"KERAS_BACKEND": "tensorflow"})], "-c", script)
+    run = harness.run(specs, timeout=_matrix.TIMEOUT_SECONDS).check()
+    assert "REFUSED" in run.output("tf-0", "stdout")
