@@ -71,3 +71,34 @@ def test_plain_keras_accumulates_as_the_comparison_assumes():
     x, y = gradient_paths.make_data("mlp")
     model.fit(x[:192], y[:192], batch_size=64, epochs=1, verbose=0)
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 1
+
+
+def test_a_checkpoint_between_micro_steps_holds_the_whole_accumulated_gradient(tmp_path):
+    # Epoch 1 ends after step 10: updates at 3, 6, 9, and one micro-step pending.
+    # The file must hold what one device would have accumulated by then.
+    import h5py
+
+    (tmp_path / "plain").mkdir()
+    gradient_paths.train(
+        "mlp", accumulation=ACCUMULATION, callbacks=[gradient_paths.checkpoint(str(tmp_path / "plain"))]
+    )
+    run_job(tmp_path, "--accumulation", str(ACCUMULATION), "--checkpoint")
+
+    def datasets(path):
+        found = {}
+
+        def keep(name, item):  # returning anything but None would stop the visit
+            if isinstance(item, h5py.Dataset):
+                found[name] = item[()]
+
+        with h5py.File(path) as file:
+            file.visititems(keep)
+        return found
+
+    expected = datasets(tmp_path / "plain" / "epoch1.weights.h5")
+    saved = datasets(tmp_path / "epoch1.weights.h5")
+    assert saved.keys() == expected.keys()
+    accumulators = [name for name in expected if name.startswith("optimizer/") and np.abs(expected[name]).max() > 0]
+    assert accumulators  # the pending micro-step is in plain Keras' file
+    for name, value in expected.items():
+        np.testing.assert_allclose(saved[name], value, atol=1e-5, err_msg=name)

@@ -126,6 +126,12 @@ def train(kind="mlp", strategy=None, accumulation=None, initial_seed=SEED, callb
     return model, results
 
 
+def checkpoint(directory):
+    """Weights and optimizer variables after every epoch (a collective save under kdist)."""
+    path = os.path.join(directory, "epoch{epoch}.weights.h5")
+    return keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+
+
 class BucketProbe(keras.callbacks.Callback):
     """Per step: gradient buckets started before the first layer's gradient was computed."""
 
@@ -164,6 +170,7 @@ def main():
     parser.add_argument("--accumulation", type=int)
     parser.add_argument("--bucket-bytes", type=int, default=25 * 2**20)
     parser.add_argument("--first-bucket-bytes", type=int, default=2**20)
+    parser.add_argument("--checkpoint", action="store_true", help="save weights (with the optimizer) every epoch")
     parser.add_argument("--fault", choices=["overlap_ignores_changed_gradients", "dropped_pending_gradients"])
     args = parser.parse_args()
 
@@ -181,10 +188,11 @@ def main():
     )
     strategy = kdist.MultiWorkerMirroredStrategy(communication_options=options)
     collectives = strategy.extended.collectives
-    probe = BucketProbe(collectives) if args.model != "masked" else None
-    model, results = train(
-        args.model, strategy, args.accumulation, SEED + collectives.rank, callbacks=[probe] if probe else []
-    )
+    callbacks = [BucketProbe(collectives)] if args.model != "masked" else []
+    if args.checkpoint:
+        callbacks.append(checkpoint(args.out))
+    model, results = train(args.model, strategy, args.accumulation, SEED + collectives.rank, callbacks=callbacks)
+    probe = callbacks[0] if args.model != "masked" else None
     rank = collectives.rank
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
     report = {
