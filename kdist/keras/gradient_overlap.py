@@ -85,7 +85,7 @@ class GradientOverlap:
         if not variables or not all(t.is_leaf and t.requires_grad for t in tensors):
             return None
         self._hook(variables, tensors)
-        (replica_id, _, size), = replicas
+        ((_, _, size),) = replicas
         self._step = OverlappedStep(self, variables, size, total, self._engine._summed_loss)
         return self._step
 
@@ -115,6 +115,7 @@ class GradientOverlap:
         self._keys = keys
 
     def remove_hooks(self):
+        """Takes the hooks off the variables' tensors (a recompile builds a new engine)."""
         for handle in self._handles:
             handle.remove()
         self._handles, self._keys = [], ()
@@ -295,7 +296,11 @@ class OverlappedStep:
         return control
 
     def drain(self):
-        """Waits for buckets already started (a step that ends early: merge mode, an error)."""
-        self._start_ready_buckets(everything=False)
+        """Waits for the step's buckets (a step that ends early in merge mode, alike on every rank).
+
+        Every bucket is started, so every rank has made the same calls
+        whichever hooks fired.
+        """
+        self._start_ready_buckets(everything=True)
         works, self._works = self._works, []
         self._processes.wait(works)
