@@ -99,3 +99,28 @@ def test_gpu_quick_run_measures_every_configuration_on_nccl():
     result, lines = _run("--quick", timeout=540)
     _check_model_lines(lines, "cuda")
     assert all(line["num_gpus"] == torch.cuda.device_count() for line in lines)
+
+
+def test_tiny_models_keep_every_layer_of_the_full_ones(gpu_scaling):
+    # replica_host_time.py measures host time on "tiny": the same ops per step as "full", little arithmetic.
+    import keras
+
+    for model_name in gpu_scaling.MODELS:
+        full = gpu_scaling.build_model(keras, model_name, gpu_scaling.SIZES["full"][model_name])
+        tiny = gpu_scaling.build_model(keras, model_name, gpu_scaling.SIZES["tiny"][model_name])
+        assert [type(layer) for layer in tiny.layers] == [type(layer) for layer in full.layers], model_name
+        assert len(tiny.variables) == len(full.variables), model_name
+        assert tiny.count_params() < full.count_params() / 1000, model_name
+
+
+def test_replica_host_time_smoke_run():
+    script = SCRIPT.parent / "replica_host_time.py"
+    specs = harness.python_specs([("driver", {})], script, "--quick", "--models", "transformer", "--steps", "2",
+                                 "--rounds", "1")
+    result = harness.run(specs, timeout=120)
+    result.check()
+    (line,) = [json.loads(text) for text in result.output("driver", "stdout").splitlines() if text.startswith("{")]
+    assert line["benchmark"] == "replica_host_time" and line["model"] == "transformer"
+    assert set(line["step_cpu_ms"]) == {"plain", "plain_double_batch", "mirrored_2", "mirrored_4"}
+    assert line["host_ms_per_replica_step"] > 0
+    assert set(line["gpus_one_process_can_feed"]) == {"10ms", "30ms", "100ms"}
