@@ -257,9 +257,10 @@ def measure_config(groups, config, link, args):
         # so the default is never slower than fp32; bf16 itself is reported on both links.
         "kdist_bf16/keras316_ddp": 1.4 if link == "throttled" else None,
         "kdist_bf16/kdist_fp32": None,
-        # Same model, batch and world size, so the ratio of scaling efficiencies
-        # (throughput / (N x one-process throughput)) is the ratio of throughputs.
-        "kdist_fp32/torch_ddp": 0.95,
+        # For information: a Keras fit against a bare torch loop. The target
+        # (>= 0.95 of DDP's scaling efficiency, each against its own one-process
+        # run) is measured by multiworker_scaling.py.
+        "kdist_fp32/torch_ddp": None,
     }
     ddp_formula = round(_gradient_bytes(hidden_units) * 2 * (WORLD_SIZE - 1) / WORLD_SIZE)
     wire = {role: round(statistics.median(values)) for role, values in kdist_wire.items()}

@@ -69,7 +69,7 @@ class GradientOverlap:
     def __init__(self, engine):
         self._engine = engine
         self._processes = engine._processes
-        self._keys = ()
+        self._hooked = []
         self._handles = []
         self._buffers = None
         self._step = None
@@ -101,8 +101,8 @@ class GradientOverlap:
         return not state.float8.active
 
     def _hook(self, variables, tensors):
-        keys = tuple(id(t) for t in tensors)
-        if keys == self._keys:
+        # By identity, not id(): a rebuilt layer's new tensor may reuse an old address.
+        if len(tensors) == len(self._hooked) and all(a is b for a, b in zip(tensors, self._hooked)):
             return
         self.remove_hooks()
         # Backward produces the last layers' gradients first.
@@ -112,13 +112,13 @@ class GradientOverlap:
             tensor.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, position))
             for position, tensor in enumerate(tensors)
         ]
-        self._keys = keys
+        self._hooked = tensors
 
     def remove_hooks(self):
         """Takes the hooks off the variables' tensors (a recompile builds a new engine)."""
         for handle in self._handles:
             handle.remove()
-        self._handles, self._keys = [], ()
+        self._handles, self._hooked = [], []
 
     def _on_gradient(self, position, tensor):
         step = self._step

@@ -44,6 +44,7 @@ from kdist.keras import (
     merged_step,
     process_sync,
     state_sync,
+    step_logs,
     sync_batchnorm,
 )
 
@@ -382,25 +383,8 @@ class ReplicaEngine:
             logs = step_fn(shard)
         return scope, logs
 
-    def _merge_logs(self, replica_logs, weights):
-        first = replica_logs[0]
-        if not isinstance(first, dict) or (len(replica_logs) == 1 and self._processes is None):
-            return first
-        if not _TESTING_FAULTS.unflattened_logs and any(isinstance(value, dict) for value in first.values()):
-            # Nested logs ({"compile_metrics": {...}}) merge key by key, flattened
-            # as Keras flattens them before callbacks and History see them.
-            replica_logs = [_compat.flatten_logs(logs) for logs in replica_logs]
-            first = replica_logs[0]
-        canonical = self._model.get_metrics_result()
-        merged = {}
-        for key, value in first.items():
-            if key in canonical:
-                merged[key] = canonical[key]
-            else:
-                merged[key] = _weighted_log_mean([logs[key] for logs in replica_logs], weights)
-        if self._processes is not None:
-            merged = self._processes.merge_extra_logs(merged, canonical)
-        return merged
+    def _merge_logs(self, logs, weights):
+        return step_logs.merge(self, logs, weights)
 
 
 def _request_merge_mode(merge_fn, args, kwargs):
@@ -414,13 +398,6 @@ def _all_losses_summed(model):
     """True when every compiled loss uses `reduction="sum"` (gradients then add up, not average)."""
     losses = keras.tree.flatten(model.loss) if getattr(model, "loss", None) is not None else []
     return bool(losses) and {getattr(loss, "reduction", None) for loss in losses} == {"sum"}
-
-
-def _weighted_log_mean(values, weights):
-    try:
-        return sum(torch.as_tensor(v).double().cpu() * w for v, w in zip(values, weights))
-    except (TypeError, RuntimeError):
-        return values[0]
 
 
 def check_steps_per_execution(model):
