@@ -159,6 +159,11 @@ class OverlappedStep:
         self._records_at_first = None
         self._weight = None
         self._divides = False
+        self._call = None
+        self._fell_back = False
+        # Set by `finish` for the engine: the control vector, the buckets still
+        # travelling, and the replica weights of this step.
+        self.tensor = self.pending = self.weights = None
 
     def capture_denominators(self):
         """Called in the training thread as the replica's step starts."""
@@ -212,12 +217,16 @@ class OverlappedStep:
 
     # ----- after the step -----------------------------------------------------------
     def finish(self, recorders):
-        """Completes the reduction after the replica's step.
+        """Completes the step after the replica ran; every rank decides alike.
 
-        Returns:
-            `(updates, pending, weights)` as `gradient_combine.combine_recorded`
-            returns them, or None when this step must be combined after
-            backward instead (every rank decides the same).
+        Where the gradients need no division (the usual case), the control
+        vector travels in the state all-reduce the engine makes anyway (one
+        round trip, as without overlap): this returns `(None, self)`, and the
+        engine passes `self` to `_reconcile`, which calls `arrive` with the
+        reduced vector before assigning anything; then `updates()`.
+        Otherwise the control is reduced here: `(combined, None)`, combined
+        being `(updates, pending, weights)` as `gradient_combine.combine_recorded`
+        returns them, or None when the step must be combined after backward.
 
         Raises:
             ReplicaGradientError: a variable has a gradient on some ranks only.
@@ -225,34 +234,63 @@ class OverlappedStep:
         calls = recorders[0].calls
         if len(calls) != 1:
             self._spoil(f"train_step called optimizer.apply {len(calls)} times")
-            call = None
         else:
-            call = calls[0]
+            self._call = calls[0]
             if not self._overlap._engine.faults.overlap_ignores_changed_gradients:
-                self._check_call(call)
+                self._check_call(self._call)
         if self._records is not None and self._records_at_first is not None and len(self._records) != self._records_at_first:
             self._spoil("a loss was computed after backward started, before optimizer.apply")
         self._start_ready_buckets(everything=True)
-        control = self._reduce_control()
-        if control[1] > 0:
-            self._overlap.disable(self._spoiled or "another process could not overlap this step")
-            return None
-        weight_total = float(control[0]) if self._divides else None
-        if weight_total is not None and not weight_total > 0:
-            return None  # divisors unknown on some rank: the post-backward path falls back to sample counts
-        optimizer, gradients, variables, _ = call
-        positions = [self._positions[id(v)] for v in variables]
-        present = [p for p, g in zip(positions, gradients) if g is not None]
-        self._buffers.decompress(present)
-        results = self._buffers.outputs
-        if weight_total is not None:
-            torch._foreach_div_([results[p] for p in present], weight_total)
-        full = [None if g is None else results[p] for p, g in zip(positions, gradients)]
+        self.tensor = self._control_vector()
         shares = [self._size / self._total]
-        weights = loss_denominators.ReplicaWeights(
-            [float(self._control_weight) / weight_total] if weight_total is not None else shares, shares, self._total
-        )
-        return [(optimizer, variables, full)], [], weights
+        if not self._divides:
+            self.pending, self._works = self._works, []
+            self.weights = loss_denominators.ReplicaWeights(shares, shares, self._total)
+            return None, self
+        works, self._works = self._works + self._processes.start_bucket(self.tensor, "overlap_control"), []
+        self._processes.wait(works)
+        self.arrive(self.tensor)
+        weight_total = float(self.tensor[0])
+        if self._fell_back or not weight_total > 0:
+            # Unknown divisors on some rank: the post-backward path falls back to sample counts.
+            return None, None
+        updates = self.updates()
+        ((_, variables, full),) = updates
+        torch._foreach_div_([g for g in full if g is not None], weight_total)
+        local = float(self._weight) if self._size else 0.0
+        weights = loss_denominators.ReplicaWeights([local / weight_total], shares, self._total)
+        return (updates, [], weights), None
+
+    def arrive(self, control):
+        """Reads the reduced control vector; raises before the engine assigns anything.
+
+        Raises:
+            ReplicaGradientError: a variable has a gradient on some ranks only.
+        """
+        control = control.cpu()
+        world_size = self._processes.world_size
+        for position in range(len(self._variables)):
+            count = int(control[2 + position])
+            if 0 < count < world_size:
+                raise ReplicaGradientError(
+                    f"Variable '{self._variables[position].path}' has a gradient on {count} of "
+                    f"{world_size} processes. Every process must compute gradients for the same "
+                    "variables; usual cause: a train_step whose control flow depends on the data."
+                )
+        self._fell_back = bool(control[1] > 0)
+        if self._fell_back:
+            self._overlap.disable(self._spoiled or "another process could not overlap this step")
+        self.tensor[0] = control[0]
+
+    def updates(self):
+        """`[(optimizer, variables, reduced gradients)]` once arrived, or None: combine after backward."""
+        if self._fell_back:
+            return None
+        optimizer, gradients, variables, _ = self._call
+        positions = [self._positions[id(v)] for v in variables]
+        self._buffers.decompress([p for p, g in zip(positions, gradients) if g is not None])
+        outputs = self._buffers.outputs
+        return [(optimizer, variables, [None if g is None else outputs[p] for p, g in zip(positions, gradients)])]
 
     def _check_call(self, call):
         _, gradients, variables, _ = call
@@ -270,29 +308,15 @@ class OverlappedStep:
                     "backward produced (train_step changed or replaced it)"
                 )
 
-    def _reduce_control(self):
-        """`[Σ c, number of ranks that fell back, per variable: ranks with a gradient]` (float64)."""
-        num_variables = len(self._variables)
-        control = torch.zeros(2 + num_variables, dtype=torch.float64)
-        self._control_weight = torch.as_tensor(self._weight if self._weight is not None else 0.0, dtype=torch.float64)
-        control[0] = self._control_weight.cpu() if self._divides else 0.0
+    def _control_vector(self):
+        """`[c, 1 if this rank cannot overlap, per variable: 1 if it has a gradient]` (float64, to be summed)."""
+        control = torch.zeros(2 + len(self._variables), dtype=torch.float64)
         control[1] = 0.0 if self._spoiled is None else 1.0
         for position in self._seen:
             control[2 + position] = 1.0
         control = control.to(self._processes.device)
-        works = self._works + self._processes.start_bucket(control, "overlap_control")
-        self._works = []
-        self._processes.wait(works)
-        control = control.cpu()
-        world_size = self._processes.world_size
-        for position in range(num_variables):
-            count = int(control[2 + position])
-            if 0 < count < world_size:
-                raise ReplicaGradientError(
-                    f"Variable '{self._variables[position].path}' has a gradient on {count} of "
-                    f"{world_size} processes. Every process must compute gradients for the same "
-                    "variables; usual cause: a train_step whose control flow depends on the data."
-                )
+        if self._divides and self._weight is not None:
+            control[0] = self._weight  # a 0-d tensor: no host sync
         return control
 
     def drain(self):

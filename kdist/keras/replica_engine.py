@@ -185,7 +185,7 @@ class ReplicaEngine:
         overlapped = None if deferral is not None else self._overlap.begin(state, replicas, total)
         self._overlapped = overlapped
         scopes, replica_logs, recorders = [], [], []
-        combined = None
+        combined = control = None
         try:
             for replica_id, shard, size in replicas:
                 recorder = gradient_merge.GradientRecorder(single_call=not _TESTING_FAULTS.no_merge_mode)
@@ -196,7 +196,7 @@ class ReplicaEngine:
                 recorders.append(recorder)
             gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
             if overlapped is not None:
-                combined = overlapped.finish(recorders)
+                combined, control = overlapped.finish(recorders)
         except gradient_merge.MergeModeNeeded:
             if overlapped is not None:
                 # Every rank got here alike; the buckets already on their way must land first.
@@ -205,12 +205,21 @@ class ReplicaEngine:
         finally:
             self._overlapped = None
             self._overlap.disarm()
-        if combined is None:
-            combined = self._accumulation.combine(replicas, total, recorders, deferral)
-        updates, pending, weights = combined
-        # In a multi-worker job the gradient and state all-reduces run together;
-        # this waits for both before anything is assigned.
-        self._reconcile(state, scopes, weights, pending)
+        if control is not None:
+            # Reduced during backward; the overlap's control vector travels with the state.
+            weights = control.weights
+            self._reconcile(state, scopes, weights, control.pending, control)
+            updates = control.updates()
+            if updates is None:  # some process could not overlap this step
+                updates, pending, _ = self._accumulation.combine(replicas, total, recorders, deferral)
+                self._processes.wait(pending)
+        else:
+            if combined is None:
+                combined = self._accumulation.combine(replicas, total, recorders, deferral)
+            updates, pending, weights = combined
+            # In a multi-worker job the gradient and state all-reduces run together;
+            # this waits for both before anything is assigned.
+            self._reconcile(state, scopes, weights, pending)
         with torch.no_grad():
             for optimizer, variables, gradients in updates:
                 optimizer.apply(gradients, variables)
@@ -287,15 +296,25 @@ class ReplicaEngine:
         """The negative-control switches in force (`FaultInjection`)."""
         return _TESTING_FAULTS
 
-    def _reconcile(self, state, scopes, weights, pending=()):
+    def _reconcile(self, state, scopes, weights, pending=(), control=None):
+        """Combines the non-trainable state; in a multi-worker job after `pending` has arrived.
+
+        `control`: an overlapped step's control vector (`gradient_overlap`),
+        summed in the same all-reduce and read before anything is assigned.
+        """
         if self._processes is None:
             state_sync.reconcile(state, scopes, weights)
             return
         plan, contributions = state_sync.plan_contributions(
             state, scopes, weights, self._processes.holds_first_replica, for_all_reduce=True
         )
+        if control is not None:
+            contributions = list(contributions) + [control.tensor]
         combined, works = self._processes.start_reduction(contributions, key="state")
         self._processes.wait(list(pending) + works)
+        if control is not None:
+            control.arrive(combined[-1])
+            combined = combined[:-1]
         state_sync.assign(plan, combined)
 
     def _state_mapping(self, replica_id, state, training):
