@@ -164,6 +164,8 @@ class OverlappedStep:
         # Set by `finish` for the engine: the control vector, the buckets still
         # travelling, and the replica weights of this step.
         self.tensor = self.pending = self.weights = None
+        # The sum of every rank's weight c, once the control vector has arrived.
+        self.weight_total = None
 
     def capture_denominators(self):
         """Called in the training thread as the replica's step starts."""
@@ -250,7 +252,7 @@ class OverlappedStep:
         works, self._works = self._works + self._processes.start_bucket(self.tensor, "overlap_control"), []
         self._processes.wait(works)
         self.arrive(self.tensor)
-        weight_total = float(self.tensor[0])
+        weight_total = self.weight_total
         if self._fell_back or not weight_total > 0:
             # Unknown divisors on some rank: the post-backward path falls back to sample counts.
             return None, None
@@ -267,20 +269,19 @@ class OverlappedStep:
         Raises:
             ReplicaGradientError: a variable has a gradient on some ranks only.
         """
-        control = control.cpu()
+        values = control.cpu().tolist()  # one host copy; indexing a tensor per variable costs microseconds each
         world_size = self._processes.world_size
-        for position in range(len(self._variables)):
-            count = int(control[2 + position])
+        for position, count in enumerate(values[2:]):
             if 0 < count < world_size:
                 raise ReplicaGradientError(
-                    f"Variable '{self._variables[position].path}' has a gradient on {count} of "
+                    f"Variable '{self._variables[position].path}' has a gradient on {count:g} of "
                     f"{world_size} processes. Every process must compute gradients for the same "
                     "variables; usual cause: a train_step whose control flow depends on the data."
                 )
-        self._fell_back = bool(control[1] > 0)
+        self._fell_back = values[1] > 0
         if self._fell_back:
             self._overlap.disable(self._spoiled or "another process could not overlap this step")
-        self.tensor[0] = control[0]
+        self.weight_total = values[0]
 
     def updates(self):
         """`[(optimizer, variables, reduced gradients)]` once arrived, or None: combine after backward."""
@@ -310,11 +311,10 @@ class OverlappedStep:
 
     def _control_vector(self):
         """`[c, 1 if this rank cannot overlap, per variable: 1 if it has a gradient]` (float64, to be summed)."""
-        control = torch.zeros(2 + len(self._variables), dtype=torch.float64)
-        control[1] = 0.0 if self._spoiled is None else 1.0
+        values = [0.0, 0.0 if self._spoiled is None else 1.0] + [0.0] * len(self._variables)
         for position in self._seen:
-            control[2 + position] = 1.0
-        control = control.to(self._processes.device)
+            values[2 + position] = 1.0
+        control = torch.tensor(values, dtype=torch.float64, device=self._processes.device)
         if self._divides and self._weight is not None:
             control[0] = self._weight  # a 0-d tensor: no host sync
         return control

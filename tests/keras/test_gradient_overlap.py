@@ -122,6 +122,20 @@ def test_two_backward_passes_fall_back_and_match(tmp_path, plain):
     assert "arrived twice" in report["overlap_disabled"]
 
 
+def test_a_variable_with_gradients_on_some_processes_only_is_refused_on_every_process(tmp_path):
+    # Rank 1 skips the last layer: its kernel has a gradient on rank 0 only. Summing
+    # the buckets would silently apply rank 0's half on rank 0 and nothing on rank 1.
+    specs = harness.python_specs(
+        harness.torchrun_envs(2), WORKER, "--out", str(tmp_path), "--model", "rank_dependent"
+    )
+    result = harness.run(specs, timeout=180)
+    for name in ("worker-0", "worker-1"):
+        assert result.returncodes[name] != 0, result.output(name)
+        output = result.output(name)
+        assert "ReplicaGradientError" in output and "has a gradient on 1 of 2 processes" in output, output[-2000:]
+    assert not list(tmp_path.glob("rank*.npz"))
+
+
 # ----- compression ----------------------------------------------------------------
 # Stated tolerance (docs/multi_worker.md, "Compression"): after 20 Adam steps at
 # learning rate 0.01 with 16-bit gradients, the last epoch's loss is within 5 % of
