@@ -9,7 +9,8 @@ rank derives the same buckets from the same layout, so every rank makes the
 same calls in the same order.
 
 With compression (`kdist.Compression`) the buckets hold the wire dtype: wider
-floating tensors are cast on the way in, and `results()` casts the sums back.
+floating tensors are cast on the way in, and `decompress()` casts the sums back
+into `outputs`.
 """
 
 import math

@@ -140,7 +140,7 @@ class ProcessCollectives:
         """Bucket buffers shaped like `like`, kept between calls with the same `key` and layout.
 
         Write into `.views` (e.g. with `fill_weighted`), then `start_all_reduce`:
-        the sums arrive in the same views, with no copy (`.results()` casts
+        the sums arrive in the same views, with no copy (`.decompress()` casts
         them back when compressed). The views are overwritten by the next use
         of the same key.
 

@@ -33,7 +33,7 @@ import keras
 import torch
 
 from kdist.keras import _compat, gradient_combine
-from kdist.keras.gradient_overlap import _GRADIENT_FAULTS
+from kdist.keras.gradient_overlap import may_overlap_or_defer
 
 MICRO_STEP = "micro-step"
 UPDATE_STEP = "update step"
@@ -58,8 +58,7 @@ class DeferredAccumulation:
         optimizer = getattr(self._engine._model, "optimizer", None)
         if self._processes is None or not _defers(optimizer):
             return None
-        faults = self._engine.faults
-        if any(getattr(faults, name) for name in _GRADIENT_FAULTS) or state.float8.active:
+        if not may_overlap_or_defer(self._engine, state):
             return None
         steps = optimizer.gradient_accumulation_steps
         return UPDATE_STEP if (_compat.optimizer_step_count(optimizer) + 1) % steps == 0 else MICRO_STEP

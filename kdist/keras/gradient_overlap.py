@@ -21,9 +21,11 @@ The weight keeps kdist's exact rule (`kdist.keras.gradient_combine`):
   (summed in float64 beside the gradients), which gives `Σ D_k g_k / Σ D_k`;
 - `reduction="sum"` losses: `c = 1`, sums as they are.
 
-After the step's `optimizer.apply`, one small control all-reduce carries the
-weight, whether any rank saw something overlap cannot handle, and which
-variables had gradients. Every rank then takes the same decision. The step
+After the step's `optimizer.apply`, a small float64 control vector carries
+whether any rank saw something overlap cannot handle, which variables had
+gradients, and (divisor case) the weights' sum. It rides in the state
+all-reduce the step makes anyway; only the divisor case reduces it on its own
+first. Every rank then takes the same decision. The step
 falls back to the post-backward path (its already reduced buckets are
 discarded) when a gradient arrived twice (two backward passes), when the
 gradients handed to `apply` are not the ones the hooks saw (a `train_step`
@@ -49,7 +51,7 @@ _logger = logging.getLogger("kdist")
 
 # Gradient faults switch the step to the post-backward path, where the
 # negative controls inject their bugs.
-_GRADIENT_FAULTS = (
+GRADIENT_FAULTS = (
     "unweighted_gradient_mean",
     "drop_replica_gradients",
     "ddp_averaged_gradients",
@@ -57,6 +59,17 @@ _GRADIENT_FAULTS = (
     "float8_mean",
     "no_merge_mode",
 )
+
+
+def may_overlap_or_defer(engine, state):
+    """Whether a step may reduce during backward or defer its reduction.
+
+    Not with a negative-control gradient fault on (those bugs live in the
+    post-backward path), nor with float8 layers (their scales combine by
+    maximum, not by a weighted sum).
+    """
+    faults = engine.faults
+    return not any(getattr(faults, name) for name in GRADIENT_FAULTS) and not state.float8.active
 
 
 class GradientOverlap:
@@ -95,10 +108,7 @@ class GradientOverlap:
             return False
         if not processes.options.overlap_with_backward or len(replicas) != 1 or self._engine._num_replicas != 1:
             return False
-        faults = self._engine.faults
-        if any(getattr(faults, name) for name in _GRADIENT_FAULTS):
-            return False
-        return not state.float8.active
+        return may_overlap_or_defer(self._engine, state)
 
     def _hook(self, variables, tensors):
         # By identity, not id(): a rebuilt layer's new tensor may reuse an old address.
