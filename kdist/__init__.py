@@ -115,8 +115,8 @@ def _bind_public_names():
         get_strategy,
         has_strategy,
         in_cross_replica_context,
-        partitioners,
     )
+    from kdist.distribute.parameter_server import partitioners
     from kdist.keras.sidecar import SidecarEvaluator
     from kdist.types import ReduceOp, VariableAggregation
 

@@ -12,7 +12,7 @@ lambdas defined in the chief's `__main__`, which a worker cannot import.
 cloudpickle (used by Ray, Dask and PySpark for the same job) sends them by
 value, and everything importable by reference. Keras objects never travel as
 pickles: they are rebuilt on the worker from their Keras configs
-(`kdist.keras.coordinator_runtime`).
+(`kdist.keras.parameter_server.worker_runtime`).
 
 Only unpickle payloads from a peer you trust: unpickling runs code. Workers
 accept them only from callers that passed the cluster's token or TLS check.

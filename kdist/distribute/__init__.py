@@ -9,19 +9,19 @@ from kdist.distribute.context import (
     in_cross_replica_context,
 )
 from kdist.distribute.default_strategy import DefaultStrategy
+from kdist.distribute.extended import StrategyExtended
 from kdist.distribute.input import (
     DistributedDataset,
     DistributedDatasetFromFunction,
     InputContext,
     ValueContext,
 )
-from kdist.distribute import partitioners
 from kdist.distribute.mirrored import MirroredStrategy
 from kdist.distribute.multi_worker import MultiWorkerMirroredStrategy
-from kdist.distribute.parameter_server import ParameterServerStrategy
+from kdist.distribute.parameter_server import partitioners
+from kdist.distribute.parameter_server.sharded_variable import RemoteVariable, ShardedVariable
+from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.distribute.server import Server
-from kdist.distribute.sharded_variable import RemoteVariable, ShardedVariable
-from kdist.distribute.extended import StrategyExtended
 from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored, PerReplica
 

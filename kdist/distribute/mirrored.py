@@ -3,7 +3,7 @@
 The user's model is the canonical replica; its variables live on the first
 device. Each step, every replica runs the model's own `train_step` on its
 shard of the global batch, gradients are combined as a batch-size-weighted
-mean and applied once. See `kdist.keras.replica_engine` for how `model.fit`
+mean and applied once. See `kdist.keras.replica.engine` for how `model.fit`
 does this and `docs/glossary.md` for the terms.
 """
 

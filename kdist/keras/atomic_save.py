@@ -9,7 +9,7 @@
   the `.bkp` copies (`double_checkpoint`), the weights, then the metadata.
 - `make_backups_atomic`: installs `write_backup` on the `BackupAndRestore`
   callbacks of a `fit` call (used under `ParameterServerStrategy`; the
-  multi-worker strategy makes them collective in `kdist.keras.multi_worker`).
+  multi-worker strategy makes them collective in `kdist.keras.replica.multi_worker`).
 """
 
 import inspect

@@ -9,7 +9,7 @@ to that strategy; attaching installs overrides *on that instance only*:
 - with more than one replica, `make_train_function`/`make_test_function`/
   `make_predict_function` return the replica engine's step functions;
 - the optimizer's `apply` records or merges gradients during replica steps
-  (`kdist.keras.gradient_merge`, which also routes every optimizer class).
+  (`kdist.keras.replica.gradient_merge`, which also routes every optimizer class).
 
 The model's class is never changed, so a saved `.keras` file loads in plain
 Keras without kdist.
@@ -19,20 +19,14 @@ import functools
 import types
 import warnings
 
+from kdist import faults
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import (
-    _compat,
-    coordinator_runtime,
-    gradient_accumulation,
-    gradient_merge,
-    multi_worker,
-    ps_training,
-    replica_engine,
-    resume_shuffle,
-    sync_batchnorm,
-)
-from kdist.keras.replica_engine import ReplicaEngine, check_steps_per_execution
+from kdist.keras import _compat, resume_shuffle, sync_batchnorm
+from kdist.keras.parameter_server import worker_runtime as coordinator_runtime
+from kdist.keras.parameter_server import worker_steps as ps_training
+from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker
+from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
 
 _SCOPED_METHODS = (
     "fit",
@@ -154,10 +148,10 @@ def attach(model, strategy):
         # Before the replica engine's wrapper, which then records around this one.
         ps_training.connect_optimizer(model, strategy)
     gradient_merge.wrap(getattr(model, "optimizer", None))
-    if not replica_engine._TESTING_FAULTS.upstream_ddp_wrap:
+    if not faults.ACTIVE.upstream_ddp_wrap:
         # kdist decides how gradients are combined, on every role and strategy.
         _compat.keep_out_of_upstream_ddp(model)
-    if multi_worker.collectives_of(strategy) is not None and not replica_engine._TESTING_FAULTS.upstream_metrics_result:
+    if multi_worker.collectives_of(strategy) is not None and not faults.ACTIVE.upstream_metrics_result:
         # Metrics are already combined across processes by kdist (see _compat).
         _override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
     if strategy.num_replicas_in_sync > 1:
@@ -202,7 +196,7 @@ def _scoped(model, name):
                 filepath, *rest = args if args else (kwargs.pop("filepath"),)
                 return multi_worker.collective_save(strategy, method, self, filepath, rest, kwargs)
             if name in ("fit", "evaluate", "predict"):
-                share = not replica_engine._TESTING_FAULTS.unshared_random_state
+                share = not faults.ACTIVE.unshared_random_state
                 args, kwargs = multi_worker.adjust_call(method, self, args, kwargs, strategy, share)
                 with multi_worker.input_synchronisation(collectives):
                     result = method(self, *args, **kwargs)

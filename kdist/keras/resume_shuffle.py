@@ -7,7 +7,7 @@ and end with other weights than a run that was never interrupted. For models
 kdist owns, the counter is moved on by the restored epoch. (Plain Keras 3.16
 does not do this. An `initial_epoch` passed by hand keeps Keras' own shuffle,
 as on one device. Keras up to 3.15 shuffles with the global random state,
-which `kdist.keras.multi_worker` shares across ranks.)
+which `kdist.keras.replica.multi_worker` shares across ranks.)
 """
 
 import contextlib

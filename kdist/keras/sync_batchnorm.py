@@ -38,6 +38,7 @@ import types
 import keras
 import torch
 
+from kdist import faults
 from kdist.distribute import context
 from kdist.distribute.values import DistributedValues
 from kdist.errors import InvalidArgumentError
@@ -51,20 +52,6 @@ _SHARE_ATTRIBUTE = "_kdist_batchnorm_share"
 _HOST = torch.device("cpu")
 _installed = False
 
-
-@dataclasses.dataclass
-class FaultInjection:
-    """Deliberate bugs for the negative-control tests. Never set these in user code.
-
-    Attributes:
-        local_statistics: synchronized layers use each replica's own batch
-            statistics, as unsynchronized BatchNormalization does.
-    """
-
-    local_statistics: bool = False
-
-
-_TESTING_FAULTS = FaultInjection()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +195,7 @@ def install():
 def _moments(layer, inputs, mask):
     replica_context = context.get_replica_context()
     if (
-        _TESTING_FAULTS.local_statistics
+        faults.ACTIVE.local_statistics
         or replica_context is None
         or replica_context.num_replicas_in_sync <= 1
     ):

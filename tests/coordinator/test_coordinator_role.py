@@ -6,13 +6,13 @@ rule (`FaultInjection.coordinator_not_chief`) and the files are missing, so the
 checks below can fail.
 """
 
+import keras
 import numpy as np
 import pytest
 
 import kdist
 import kdist.coordinator
-import keras
-from kdist.distribute import parameter_server
+from kdist import faults
 from tests.coordinator import _in_process
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,7 +58,7 @@ def test_the_coordinator_checkpoints_and_counts_steps(tmp_path, explicit_coordin
 
 
 def test_negative_control_a_coordinator_that_is_not_chief_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(parameter_server._TESTING_FAULTS, "coordinator_not_chief", True)
+    monkeypatch.setattr(faults.ACTIVE, "coordinator_not_chief", True)
     with pytest.warns(UserWarning, match="only the chief writes files"):
         _fit_with_callbacks(tmp_path, explicit_coordinator=False)
     assert not any((tmp_path / name).exists() for name in ("ckpt.keras", "ckpt.weights.h5", "final.keras"))

@@ -6,11 +6,11 @@ strategy's scope) create identical initial weights.
 
 import contextlib
 
-import kdist  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
 import keras
 import numpy as np
 
-from kdist.keras import replica_engine
+import kdist  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
+from kdist import faults
 
 NUM_SAMPLES = 1000
 GLOBAL_BATCH = 64  # 1000 = 15 * 64 + 40: the last batch is partial and splits unevenly
@@ -206,10 +206,6 @@ def assert_same_outputs(reference, candidate, atol=1e-5):
 
 @contextlib.contextmanager
 def fault(**flags):
-    """Switches on the named `replica_engine.FaultInjection` bugs (negative controls) for the block."""
-    saved = replica_engine._TESTING_FAULTS
-    replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(**flags)
-    try:
+    """Switches on the named `kdist.faults.FaultInjection` bugs (negative controls) for the block."""
+    with faults.injected(**flags):
         yield
-    finally:
-        replica_engine._TESTING_FAULTS = saved

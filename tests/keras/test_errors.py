@@ -24,7 +24,7 @@ def test_fit_with_global_batch_smaller_than_replicas_raises_and_changes_nothing(
 
 @pytest.mark.skipif(
     not _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION,
-    reason="this Keras runs steps_per_execution > 1 on torch (tests/keras/test_replica_engine.py)",
+    reason="this Keras runs steps_per_execution > 1 on torch (tests/keras/replica/test_engine.py)",
 )
 def test_steps_per_execution_above_one_is_refused_clearly():
     strategy = m.mirrored(2)
@@ -62,7 +62,7 @@ def test_bad_devices_raise(devices, pattern):
 
 
 def test_merge_call_inside_evaluate_test_step_is_refused_clearly():
-    """Inside train_step a merge runs the step in merge mode (tests/keras/test_gradient_merge.py);
+    """Inside train_step a merge runs the step in merge mode (tests/keras/replica/test_gradient_merge.py);
     evaluate's replicas still run one after another, so a merge there is refused."""
 
     class Chatty(keras.Model):

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 
+from kdist import faults
 from kdist.errors import InvalidArgumentError
 from kdist.keras import sync_batchnorm
 from tests import harness
@@ -30,12 +31,8 @@ TOLERANCE = 1e-5
 
 @contextlib.contextmanager
 def fault(**flags):
-    saved = sync_batchnorm._TESTING_FAULTS
-    sync_batchnorm._TESTING_FAULTS = sync_batchnorm.FaultInjection(**flags)
-    try:
+    with faults.injected(**flags):
         yield
-    finally:
-        sync_batchnorm._TESTING_FAULTS = saved
 
 
 def assert_close(reference, results, tolerance=TOLERANCE):

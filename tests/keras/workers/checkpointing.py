@@ -1,4 +1,4 @@
-"""One rank of a multi-worker run that checkpoints; see tests/keras/test_multi_worker_checkpoints.py.
+"""One rank of a multi-worker run that checkpoints; see tests/keras/replica/test_multi_worker_checkpoints.py.
 
 Modes:
 - `chief_only`: fit with ModelCheckpoint + CSVLogger, then model.save and save_weights.

@@ -14,12 +14,12 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import kdist  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kdist.keras import replica_engine  # noqa: E402
+import kdist  # noqa: E402
+from kdist import faults  # noqa: E402
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     parser.add_argument("--allow-wrap", action="store_true", help="negative control")
     args = parser.parse_args()
     if args.allow_wrap:
-        replica_engine._TESTING_FAULTS = replica_engine.FaultInjection(upstream_ddp_wrap=True)
+        faults.ACTIVE = faults.FaultInjection(upstream_ddp_wrap=True)
     if args.strategy == "multi_worker":
         strategy = kdist.MultiWorkerMirroredStrategy()
     else:

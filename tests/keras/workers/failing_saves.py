@@ -1,6 +1,6 @@
 """Saves that fail partway through, for real: the file size limit (RLIMIT_FSIZE) is lowered mid-run.
 
-See tests/keras/test_atomic_save.py and tests/keras/test_multi_worker_checkpoints.py.
+See tests/keras/test_atomic_save.py and tests/keras/replica/test_multi_worker_checkpoints.py.
 Each mode saves once, records the files, lowers the limit to a third of the
 saved file, saves again (which must fail with EFBIG), restores the limit and
 writes `<mode>[rank].json` (and `first.npz`, the first save's weights) in `--dir`.

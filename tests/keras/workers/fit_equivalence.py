@@ -159,10 +159,10 @@ def main():
     args = parser.parse_args()
 
     import kdist
-    from kdist.keras import replica_engine
+    from kdist import faults
 
     if args.fault:
-        setattr(replica_engine._TESTING_FAULTS, args.fault, True)
+        setattr(faults.ACTIVE, args.fault, True)
     if args.simulate_upstream_ddp_metrics:
         simulate_upstream_metric_reduction()
     devices = [f"cpu:{i}" for i in range(args.local_devices)] if args.local_devices > 1 else None

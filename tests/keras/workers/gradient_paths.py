@@ -198,10 +198,10 @@ def main():
     args = parser.parse_args()
 
     import kdist
-    from kdist.keras import replica_engine
+    from kdist import faults
 
     if args.fault:
-        setattr(replica_engine._TESTING_FAULTS, args.fault, True)
+        setattr(faults.ACTIVE, args.fault, True)
     options = kdist.CommunicationOptions(
         timeout_seconds=60,
         compression=getattr(kdist.Compression, args.compression),

@@ -194,10 +194,10 @@ def main():
     args = parser.parse_args()
 
     import kdist
-    from kdist.keras import sync_batchnorm
+    from kdist import faults
 
     if args.fault:
-        setattr(sync_batchnorm._TESTING_FAULTS, args.fault, True)
+        setattr(faults.ACTIVE, args.fault, True)
     devices = [f"cpu:{i}" for i in range(args.local_devices)] if args.local_devices > 1 else None
     strategy = kdist.MultiWorkerMirroredStrategy(
         communication_options=kdist.CommunicationOptions(timeout_seconds=args.timeout), devices=devices

@@ -1,0 +1,440 @@
+"""The worker's view of variables that live on parameter servers.
+
+Every variable created in a `ParameterServerStrategy` scope keeps a local
+Keras variable (the model computes with it, and a saved `.keras` file holds
+it) plus an entry here: where its shards live, the server version each shard
+was last read at, and whether lookups replace dense reads (embedding tables).
+
+All traffic goes through `kdist.ps.VariableClient`. A call that touches
+several parameter servers sends one request to each, in parallel, so a
+training step costs one round trip per server for its pull and one for its
+push.
+
+Thread-safety: `RemoteVariables` may be used from several threads; each entry
+is written by the thread that runs the model's step.
+
+Exactly-once pushes: a push may carry an update id, and each parameter server
+applies a given id once (see `VariableClient.push`). `idempotent_updates`
+numbers a thread's pushes, so that a closure re-run after its worker died
+repeats the dead worker's ids and its pushes that were delivered are not
+applied twice.
+"""
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+import torch
+
+from kdist.errors import InvalidArgumentError
+from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit
+from kdist.ps.values import check_update_id
+
+
+@dataclasses.dataclass(eq=False)
+class RemoteEntry:
+    """One variable created in scope: its local copy and where its shards live.
+
+    Attributes:
+        variable: the local `keras.Variable` the model computes with.
+        placement: its `kdist.distribute.parameter_server.placement.VariablePlacement`.
+        keys: the server-side name of each shard, in shard order.
+        versions: server version of each shard at the last read.
+        row_sparse: True when steps look rows up instead of reading the table.
+    """
+
+    variable: object
+    placement: object
+    keys: tuple
+    versions: list
+    row_sparse: bool = False
+    snapshot: object = None
+
+    @property
+    def trainable(self):
+        return bool(self.variable.trainable)
+
+    @property
+    def local_tensor(self):
+        return self.variable.value
+
+
+class RemoteVariables:
+    """Creates, reads, updates and looks up variables on a job's parameter servers.
+
+    Args:
+        addresses: `host:port` of every `ps` task, by task index.
+        options: `kdist.ps.ServiceOptions` for every client, or None.
+        security: `kdist.ps.Security` (token, TLS), or None.
+    """
+
+    def __init__(self, addresses, options=None, security=None):
+        self._clients = [VariableClient(address, options=options, security=security) for address in addresses]
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, len(self._clients)), thread_name_prefix="kdist-ps"
+        )
+        self._entries = {}
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+        self._update_ids = threading.local()  # .block: this thread's _UpdateIdBlock or None
+
+    @property
+    def clients(self):
+        """One `kdist.ps.VariableClient` per parameter server, by task index."""
+        return tuple(self._clients)
+
+    # ----- creation ---------------------------------------------------------------
+    def register(self, variable, placement):
+        """Creates `variable`'s shards on their servers; the local copy takes the servers' value.
+
+        Idempotent across workers: the first creator's value wins, so every
+        worker starts from the same weights.
+        """
+        with self._lock:
+            index = next(self._counter)
+        # Keyed by creation order, not by name: Keras numbers default names per
+        # process ("variable_3"), while every worker of a between-graph job
+        # creates the same variables in the same order.
+        if placement.is_partitioned:
+            keys = tuple(f"v{index}/part_{position}" for position in range(len(placement.shards)))
+        else:
+            keys = (f"v{index}",)
+        entry = RemoteEntry(variable, placement, keys, [0] * len(keys))
+        value = _to_numpy(variable.value)
+        requests = {}
+        for position, shard in enumerate(placement.shards):
+            item = VariableInit(keys[position], _shard_part(placement, position, value), trainable=bool(variable.trainable))
+            requests.setdefault(shard.ps_index, []).append((position, item))
+        results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
+        for ps_index, items in requests.items():
+            for (position, _), state in zip(items, results[ps_index]):
+                self._write_shard(entry, position, state.value)
+                entry.versions[position] = state.version
+        self._take_snapshot(entry)
+        with self._lock:
+            self._entries[id(variable)] = entry
+        return entry
+
+    def adopt(self, variable, placement, keys):
+        """Binds a local `variable` to shards that already exist on the servers (creates nothing).
+
+        A worker driven by a coordinator rebuilds the chief's model and adopts
+        the chief's keys; its first `pull` reads every value (versions start
+        unknown).
+        """
+        entry = RemoteEntry(variable, placement, tuple(keys), [-1] * len(keys))
+        with self._lock:
+            self._entries[id(variable)] = entry
+        return entry
+
+    def all_entries(self):
+        """Every entry of this store, in registration order."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def entry(self, variable):
+        """The `RemoteEntry` of `variable`, or None when it does not live on a parameter server."""
+        entry = self._entries.get(id(variable))
+        return entry if entry is not None and entry.variable is variable else None
+
+    def entries(self, variables):
+        """Entries of those `variables` that live on parameter servers, in order, without repeats."""
+        seen, result = set(), []
+        for variable in variables:
+            entry = self.entry(variable)
+            if entry is not None and id(entry) not in seen:
+                seen.add(id(entry))
+                result.append(entry)
+        return result
+
+    # ----- reads ------------------------------------------------------------------
+    def pull(self, entries, *, include_row_sparse=False, only_changed=True):
+        """Reads the servers' values into the local copies (one request per server)."""
+        requests = {}
+        for entry in entries:
+            if entry.row_sparse and not include_row_sparse:
+                continue
+            for position, shard in enumerate(entry.placement.shards):
+                requests.setdefault(shard.ps_index, []).append((entry, position))
+
+        def pull_from(client, items):
+            names = [entry.keys[position] for entry, position in items]
+            known = {entry.keys[position]: entry.versions[position] for entry, position in items} if only_changed else None
+            # Values land straight in the local variables' memory (no copy).
+            out = {name: view for name, (entry, position) in zip(names, items) if (view := self._local_view(entry, position)) is not None}
+            try:
+                return client.pull(names, known_versions=known, out=out), out
+            except Exception:
+                # A pull that failed part-way may have overwritten some local
+                # values: forget their versions so the next pull resends them.
+                for entry, position in items:
+                    entry.versions[position] = -1
+                raise
+
+        results = self._per_server(requests, pull_from)
+        for ps_index, items in requests.items():
+            states, out = results[ps_index]
+            for (entry, position), state in zip(items, states):
+                if state.value is not None and state.value is not out.get(entry.keys[position]):
+                    self._write_shard(entry, position, state.value)
+                entry.versions[position] = state.version
+        for entry in entries:
+            self._take_snapshot(entry)
+
+    def lookup(self, entry, row_ids):
+        """Rows `row_ids` (unique, int64, 1-D) of `entry`'s table, read from the shards that own them.
+
+        Returns:
+            `(rows, versions)`: a float tensor of `len(row_ids)` rows on the
+            CPU and the version of each shard that answered (by shard position).
+        """
+        ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
+        starts = np.array([shard.row_start for shard in entry.placement.shards])
+        owner = np.searchsorted(starts, ids, side="right") - 1
+        requests, selections = [], []
+        for position, shard in enumerate(entry.placement.shards):
+            selected = np.nonzero(owner == position)[0]
+            if len(selected):
+                requests.append((position, ids[selected] - shard.row_start))
+                selections.append(selected)
+        rows = np.empty((len(ids),) + tuple(entry.placement.shape[1:]), dtype=np.dtype(entry.placement.dtype))
+        versions = {}
+        for (position, _), selected, (values, version) in zip(requests, selections, self.lookup_shards(entry, requests)):
+            rows[selected] = values
+            versions[position] = version
+        return torch.from_numpy(rows), versions
+
+    def lookup_shards(self, entry, requests):
+        """Rows of `entry`'s shards: `[(shard position, local ids)]` -> `[(rows, version)]`, one request per server."""
+        by_server = {}
+        for index, (position, local_ids) in enumerate(requests):
+            by_server.setdefault(entry.placement.shards[position].ps_index, []).append((index, entry.keys[position], local_ids))
+        results = self._per_server(by_server, lambda client, items: client.lookup([(key, ids) for _, key, ids in items]))
+        answers = [None] * len(requests)
+        for ps_index, items in by_server.items():
+            for (index, _, _), answer in zip(items, results[ps_index]):
+                answers[index] = answer
+        return answers
+
+    def read_shards(self, entry, positions):
+        """Current server values of `entry`'s shards at `positions` (the local copy is untouched)."""
+        by_server = {}
+        for index, position in enumerate(positions):
+            by_server.setdefault(entry.placement.shards[position].ps_index, []).append((index, entry.keys[position]))
+        results = self._per_server(by_server, lambda client, items: client.pull([key for _, key in items]))
+        values = [None] * len(positions)
+        for ps_index, items in by_server.items():
+            for (index, _), state in zip(items, results[ps_index]):
+                values[index] = state.value
+        return values
+
+    # ----- writes -----------------------------------------------------------------
+    def push(self, dense, rows=(), assign=(), update_id=None):
+        """Sends one update to every server it concerns, in parallel.
+
+        Args:
+            dense: `(entry, gradient tensor)` pairs, full-variable gradients.
+            rows: `(entry, unique row ids, row gradients, shard versions)`.
+            assign: entries whose local value replaces the servers' value.
+            update_id: an idempotency key sent to every server contacted; each
+                applies it once (see `kdist.ps.VariableClient.push`). None:
+                the next id of this thread's `idempotent_updates` block, or
+                no id outside one.
+
+        Returns:
+            A list of `kdist.ps.PushResult`, one per server contacted.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: an `update_id` that is not a
+                string of at most 256 characters.
+        """
+        if update_id is None:
+            block = getattr(self._update_ids, "block", None)
+            update_id = None if block is None else block.next_id()
+        check_update_id(update_id)
+        requests = {}
+        for entry, gradient in dense:
+            gradient = _to_numpy(gradient)
+            for position, shard in enumerate(entry.placement.shards):
+                update = DenseGradient(entry.keys[position], _shard_part(entry.placement, position, gradient), entry.versions[position])
+                requests.setdefault(shard.ps_index, ([], []))[0].append(update)
+        for entry, row_ids, values, versions in rows:
+            ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
+            values = _to_numpy(values)
+            for position, shard in enumerate(entry.placement.shards):
+                selected = np.nonzero((ids >= shard.row_start) & (ids < shard.row_stop))[0]
+                if len(selected):
+                    update = RowGradient(entry.keys[position], ids[selected] - shard.row_start, values[selected], versions.get(position, entry.versions[position]))
+                    requests.setdefault(shard.ps_index, ([], []))[0].append(update)
+        for entry in assign:
+            value = _to_numpy(entry.variable.value)
+            for position, shard in enumerate(entry.placement.shards):
+                assignment = Assignment(entry.keys[position], _shard_part(entry.placement, position, value))
+                requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
+        results = self._per_server(
+            requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
+        return list(results.values())
+
+    @contextlib.contextmanager
+    def idempotent_updates(self, prefix):
+        """Gives this thread's pushes in the block the update ids `f"{prefix}/{n}"`.
+
+        `n` counts, from 0, the pushes made in the block without an explicit
+        `update_id`. Every server applies an id once, so a closure that is
+        re-run (its first worker died, maybe after pushing some of its
+        updates) with the same prefix makes the same pushes in the same order
+        under the same ids, and those the dead worker delivered are not
+        applied again: the servers answer them with the first results and
+        count them in `ServerStats.deduplicated_updates`.
+
+        Thread-local (other threads' pushes are unaffected). A nested block
+        uses its own prefix and count until it exits, then the outer block's
+        count continues.
+
+        Args:
+            prefix: a non-empty string naming the closure (not the attempt),
+                short enough that the ids fit in 256 characters.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: an empty or non-string prefix.
+
+        Example:
+
+        >>> with remote_variables.idempotent_updates("closure-17"):  # doctest: +SKIP
+        ...     remote_variables.push(gradients)  # update_id "closure-17/0"
+        ...     remote_variables.push(gradients)  # update_id "closure-17/1"
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidArgumentError(
+                f"idempotent_updates() needs a non-empty string prefix naming the closure. "
+                f"Received: prefix={prefix!r}."
+            )
+        outer = getattr(self._update_ids, "block", None)
+        self._update_ids.block = _UpdateIdBlock(prefix)
+        try:
+            yield
+        finally:
+            self._update_ids.block = outer
+
+    def assign(self, entries):
+        """Writes the local values of `entries` to their servers (restoring weights, for instance)."""
+        self.push((), (), assign=entries)
+        self.pull(entries, include_row_sparse=True)
+
+    def configure_optimizer(self, config, entries):
+        """Tells each server which optimizer applies the pushes to `entries`' shards."""
+        self._per_server(_keys_by_server(entries), lambda client, names: client.configure_optimizer(config, names))
+
+    def optimizer_state(self, entries):
+        """Reads back the servers' optimizer state of `entries`.
+
+        Returns:
+            A list, one item per entry: `(iterations, {slot name: full array})`;
+            a partitioned variable's slots are its shards' slots concatenated.
+        """
+        results = self._per_server(_keys_by_server(entries), lambda client, names: client.optimizer_state(names))
+        states = {}
+        for per_server in results.values():
+            states.update(per_server)
+        gathered = []
+        for entry in entries:
+            shards = [states[key] for key in entry.keys]
+            iterations = max(state.iterations for state in shards)
+            slots = {
+                name: np.concatenate([state.slots[name] for state in shards]) if len(shards) > 1 else shards[0].slots[name]
+                for name in shards[0].slots
+            }
+            gathered.append((iterations, slots))
+        return gathered
+
+    def stats(self):
+        """`kdist.ps.ServerStats` of every parameter server, by task index."""
+        return [client.stats() for client in self._clients]
+
+    def close(self):
+        """Closes every channel and the worker threads. Idempotent."""
+        for client in self._clients:
+            client.close()
+        self._pool.shutdown(wait=False)
+
+    # ----- helpers ------------------------------------------------------------------
+    def _per_server(self, requests, call):
+        """Runs `call(client, payload)` for every `{ps_index: payload}` concurrently."""
+        if len(requests) == 1:
+            ((ps_index, payload),) = requests.items()
+            return {ps_index: call(self._clients[ps_index], payload)}
+        futures = {ps_index: self._pool.submit(call, self._clients[ps_index], payload) for ps_index, payload in requests.items()}
+        return {ps_index: future.result() for ps_index, future in futures.items()}
+
+    @staticmethod
+    def _local_view(entry, position):
+        """A NumPy view of the local memory holding shard `position`, or None (GPU, bfloat16)."""
+        tensor = entry.variable.value
+        if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or not tensor.is_contiguous():
+            return None
+        return _shard_part(entry.placement, position, tensor.detach().numpy())
+
+    @staticmethod
+    def _write_shard(entry, position, value):
+        target = _shard_part(entry.placement, position, entry.variable.value)
+        source = torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
+        with torch.no_grad():
+            target.copy_(source.reshape(target.shape))
+
+    @staticmethod
+    def _take_snapshot(entry):
+        # Non-trainable state (BatchNorm statistics) is written back only when a
+        # step changed it, so frozen weights cost nothing per step.
+        if not entry.trainable:
+            entry.snapshot = entry.variable.value.detach().clone()
+
+    @staticmethod
+    def changed(entry):
+        """True when a non-trainable entry's local value differs from what was last read."""
+        return entry.snapshot is not None and not torch.equal(entry.snapshot, entry.variable.value.detach())
+
+
+class _UpdateIdBlock:
+    """The ids of one `idempotent_updates` block: `prefix/0`, `prefix/1`, ... (one thread's)."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self._count = itertools.count()
+
+    def next_id(self):
+        return f"{self.prefix}/{next(self._count)}"
+
+
+def _to_numpy(tensor):
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.dtype == torch.bfloat16:
+        raise InvalidArgumentError(
+            "bfloat16 variables cannot live on parameter servers yet. Received: a bfloat16 "
+            "variable. Keep parameter-server variables in float32 (mixed precision computes "
+            "in bfloat16 while variables stay float32)."
+        )
+    return tensor.contiguous().numpy()
+
+
+def _shard_part(placement, position, array):
+    """The rows of `array` (the whole variable's value or gradient) that shard `position` holds."""
+    if not placement.is_partitioned:
+        return array
+    shard = placement.shards[position]
+    return array[shard.row_start : shard.row_stop]
+
+
+def _keys_by_server(entries):
+    """`{ps_index: [server keys]}` of every shard of `entries`."""
+    by_server = {}
+    for entry in entries:
+        for position, shard in enumerate(entry.placement.shards):
+            by_server.setdefault(shard.ps_index, []).append(entry.keys[position])
+    return by_server

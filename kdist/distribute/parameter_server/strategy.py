@@ -1,0 +1,267 @@
+"""`ParameterServerStrategy`: variables on parameter servers, asynchronous training.
+
+Between-graph mode (TensorFlow 1's contrib strategy): every worker runs the
+same script. Variables created in `strategy.scope()` live on the cluster's `ps`
+tasks — placed round-robin in creation order, or split along axis 0 by a
+`variable_partitioner` — and each worker keeps a local copy to compute with.
+`model.fit` on a worker pulls the latest values, runs the model's own
+`train_step`, and pushes the gradients; the parameter servers apply them with
+the model's optimizer, each variable under its own lock. Workers never wait
+for each other. A worker with several local devices trains them
+synchronously (the `MirroredStrategy` engine) and pushes one combined update.
+See `docs/parameter_server.md`.
+"""
+
+import contextlib
+import weakref
+
+from kdist import faults
+from kdist._backend import STRATEGY_BACKENDS, require_backend
+from kdist.cluster import resolve_cluster
+from kdist.distribute.devices import resolve_devices
+from kdist.distribute.extended import ChiefRoles
+from kdist.distribute.mirrored import MirroredExtended
+from kdist.distribute.parameter_server.partitioners import Partitioner
+from kdist.distribute.parameter_server.placement import RoundRobinPlacer, device_string
+from kdist.distribute.parameter_server.router import RemoteVariables
+from kdist.distribute.parameter_server.sharded_variable import RemoteVariable, ShardedVariable
+from kdist.distribute.strategy import Strategy
+from kdist.errors import InvalidArgumentError
+from kdist.ps import Security
+
+PS_JOB = "ps"
+WORKER_JOB = "worker"
+
+
+
+class ParameterServerExtended(ChiefRoles, MirroredExtended):
+    """`StrategyExtended` of `ParameterServerStrategy`.
+
+    Attributes:
+        cluster_resolver: the resolver the job's layout came from.
+        remote_variables: the `RemoteVariables` store holding every placed variable.
+        options: the `kdist.ps.ServiceOptions` given (None: defaults).
+        security: the `kdist.ps.Security` presented to parameter servers and workers.
+    """
+
+    def __init__(self, container_strategy, cluster_resolver, variable_partitioner, devices, options, security):
+        resolver = resolve_cluster(cluster_resolver)
+        spec = resolver.cluster_spec()
+        if not spec or PS_JOB not in spec.jobs or spec.num_tasks(PS_JOB) == 0:
+            raise InvalidArgumentError(
+                "ParameterServerStrategy needs a cluster with at least one 'ps' task. Received: "
+                f"cluster_spec={spec.as_dict() if spec else {}}. Describe the cluster in TF_CONFIG "
+                "(or a cluster resolver) with a 'ps' job, e.g. start it with "
+                "`kdist launch --workers 2 --ps 1 train.py`."
+            )
+        if resolver.task_type == PS_JOB:
+            raise InvalidArgumentError(
+                "This process is a 'ps' task: it serves variables and does not train. Received: "
+                f"task_type={resolver.task_type!r}, task_id={resolver.task_id!r}. Branch on the "
+                "role and run `kdist.distribute.Server(resolver.cluster_spec(), 'ps', "
+                "resolver.task_id).join()` (or `kdist server`) in ps tasks."
+            )
+        if variable_partitioner is not None and not (
+            isinstance(variable_partitioner, Partitioner) or callable(variable_partitioner)
+        ):
+            raise InvalidArgumentError(
+                "Expected a partitioner such as kdist.partitioners.MinSizePartitioner(...). "
+                f"Received: variable_partitioner={variable_partitioner!r}."
+            )
+        super().__init__(container_strategy, resolve_devices(devices), None)
+        addresses = spec.job_tasks(PS_JOB)
+        if any(address is None for address in addresses):
+            raise InvalidArgumentError(
+                "The 'ps' job must list tasks 0..K-1 without gaps. Received: "
+                f"ps={addresses}."
+            )
+        self.cluster_resolver = resolver
+        self._partitioner = variable_partitioner
+        self._placer = RoundRobinPlacer(len(addresses))
+        self.remote_variables = RemoteVariables(addresses, options=options, security=security)
+        self.options = options
+        self.security = Security() if security is None else security
+        self.devices_argument = devices
+        # The `kdist.coordinator.ClusterCoordinator` of this strategy, once one exists.
+        self._cluster_coordinator = None
+        self._creation_paused = 0
+        weakref.finalize(container_strategy, self.remote_variables.close)
+
+    # ----- roles (TensorFlow's names) -------------------------------------------------
+    @property
+    def is_coordinator(self):
+        """True for the process that drives the workers (TensorFlow 2's coordinator).
+
+        That is the process that created a `kdist.coordinator.ClusterCoordinator`
+        for this strategy, or, in a cluster with `worker` tasks, the `chief`
+        task or a process whose resolver names no task (as in TensorFlow's
+        in-process cluster). Its `model.fit` schedules closures onto the workers.
+        """
+        if self._cluster_coordinator is not None:
+            return True
+        resolver = self.cluster_resolver
+        spec = resolver.cluster_spec()
+        has_workers = WORKER_JOB in spec.jobs and spec.num_tasks(WORKER_JOB) > 0
+        return has_workers and resolver.task_type in (None, "chief")
+
+    @property
+    def is_chief(self):
+        """True for the task that writes checkpoints and summaries.
+
+        The coordinator (see `is_coordinator`), a process whose resolver names
+        no task, the `chief` task, or worker 0 when the cluster has no chief
+        (between-graph training).
+        """
+        if faults.ACTIVE.coordinator_not_chief:
+            return self.cluster_resolver.is_chief
+        return self.is_coordinator or self.cluster_resolver.task_type is None or self.cluster_resolver.is_chief
+
+
+    @property
+    def num_ps(self):
+        """Number of parameter servers."""
+        return len(self.remote_variables.clients)
+
+    @property
+    def parameter_devices(self):
+        """The devices variables live on: one per `ps` task, in TensorFlow's spelling."""
+        return tuple(device_string(index) for index in range(self.num_ps))
+
+    # ----- variable placement ---------------------------------------------------------
+    def _on_variable_created(self, variable):
+        """Places a variable just created in scope and creates it on its servers."""
+        if self._creation_paused:
+            return None
+        target = self.colocation_target
+        colocate_with = None
+        if target is not None:
+            target_entry = self.remote_variables.entry(target)
+            colocate_with = None if target_entry is None else target_entry.placement
+        placement = self._placer.place(
+            variable.name,
+            # From the value: Keras sets `variable.shape` only after initialising it.
+            tuple(variable.value.shape),
+            str(variable.dtype),
+            partitioner=None if colocate_with is not None else self._partitioner,
+            colocate_with=colocate_with,
+        )
+        return self.remote_variables.register(variable, placement)
+
+    @contextlib.contextmanager
+    def local_variable_creation(self):
+        """Variables created inside stay on this worker (kdist uses it for scratch state)."""
+        self._creation_paused += 1
+        try:
+            yield
+        finally:
+            self._creation_paused -= 1
+
+    def placement(self, variable):
+        """The `VariablePlacement` of `variable`, or None when it is a local variable."""
+        entry = self.remote_variables.entry(variable)
+        return None if entry is None else entry.placement
+
+    def variable_device(self, variable):
+        """Where `variable` lives, e.g. `"/job:ps/replica:0/task:1/device:CPU:0"` (its first shard)."""
+        placement = self.placement(variable)
+        if placement is None:
+            raise InvalidArgumentError(
+                "The variable does not live on a parameter server. Received: variable="
+                f"{getattr(variable, 'path', variable)!r}. Create it inside strategy.scope()."
+            )
+        return placement.device
+
+    def remote_view(self, variable):
+        """The server-side view of `variable`: a `ShardedVariable` when partitioned, else a `RemoteVariable`."""
+        placement = self.placement(variable)
+        if placement is None:
+            self.variable_device(variable)  # raises the explanatory error
+        reader = _EntryReader(self.remote_variables, self.remote_variables.entry(variable))
+        if placement.is_partitioned:
+            return ShardedVariable(placement, reader)
+        return RemoteVariable(placement, reader)
+
+
+class _EntryReader:
+    """Implements `sharded_variable.VariableReader` for one entry of a `RemoteVariables` store."""
+
+    def __init__(self, store, entry):
+        self._store = store
+        self._entry = entry
+
+    def read(self, shards):
+        return self._store.read_shards(self._entry, [self._entry.placement.shards.index(shard) for shard in shards])
+
+    def lookup(self, requests):
+        positions = [(self._entry.placement.shards.index(shard), ids) for shard, ids in requests]
+        return [rows for rows, _ in self._store.lookup_shards(self._entry, positions)]
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous data parallelism with variables on parameter servers.
+
+    Every worker runs the same script (between-graph replication). Variables
+    created in `scope()` are placed on the `ps` tasks; `model.fit` on each
+    worker pulls them, runs the model's `train_step` on the worker's own data,
+    and pushes gradients that the parameter servers apply at once, without
+    waiting for other workers. Optimizer slots live on the servers, next to
+    their variables.
+
+    Args:
+        cluster_resolver: where the cluster comes from; `None` reads `TF_CONFIG`.
+            The cluster needs a `ps` job and `worker` (optionally `chief`) tasks.
+        variable_partitioner: a `kdist.partitioners.Partitioner` (or any
+            callable `(shape, dtype) -> list of partitions per axis`) deciding how
+            many shards each variable is split into along axis 0; `None` keeps
+            every variable whole.
+        devices: this worker's local devices (several train synchronously).
+            `None` means the CPU, or every visible GPU.
+        options: `kdist.ps.ServiceOptions` (deadlines, chunk and message sizes).
+        security: `kdist.ps.Security` (the cluster secret, TLS), matching the
+            servers'; None: the secret from the environment (`kdist launch` sets it),
+            else this process's own.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: the cluster has no `ps` job, this
+            process is a `ps` task, or an argument is malformed.
+        kdist.errors.ParameterServerUnavailableError: a parameter server could
+            not be reached within `options.connect_timeout_seconds` (raised by
+            the first variable creation).
+
+    Example:
+
+    ```python
+    resolver = kdist.cluster.TFConfigClusterResolver()
+    if resolver.task_type == "ps":
+        kdist.distribute.Server(resolver.cluster_spec(), "ps", resolver.task_id).join()
+    else:
+        strategy = kdist.ParameterServerStrategy(
+            resolver,
+            variable_partitioner=kdist.partitioners.MinSizePartitioner(max_shards=2),
+        )
+        with strategy.scope():
+            model = build_model()
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x_shard, y_shard, epochs=3)
+    ```
+    """
+
+    SUPPORTED_BACKENDS = STRATEGY_BACKENDS["ParameterServerStrategy"]
+
+    def __init__(self, cluster_resolver=None, variable_partitioner=None, *, devices=None, options=None, security=None):
+        require_backend("ParameterServerStrategy", self.SUPPORTED_BACKENDS)
+        super().__init__(
+            ParameterServerExtended(self, cluster_resolver, variable_partitioner, devices, options, security)
+        )
+
+    @property
+    def cluster_resolver(self):
+        """The `kdist.cluster.ClusterResolver` describing the job."""
+        return self._extended.cluster_resolver
+
+    def __repr__(self):
+        resolver = self._extended.cluster_resolver
+        return (
+            f"ParameterServerStrategy(task={resolver.task_type}:{resolver.task_id}, "
+            f"num_ps={self._extended.num_ps}, devices={list(self._extended.worker_devices)})"
+        )

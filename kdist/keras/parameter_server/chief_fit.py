@@ -1,0 +1,308 @@
+"""`model.fit` and `model.evaluate` on the chief, driving the workers through a coordinator.
+
+Under `ParameterServerStrategy`, on the chief of a cluster with workers (or
+once a `ClusterCoordinator` exists for the strategy), `fit` does not train
+locally. Each epoch is cut into closures of `steps_per_execution` steps
+(kdist packs the steps itself; the torch trainer accepts only 1), scheduled
+onto the workers. A worker runs its copy of the model's own `train_step` on
+each batch — reading the latest variables and pushing gradients to the
+parameter servers — and returns the state of the model's metrics for its
+closure; the chief adds those up, so the logs cover every step once.
+
+Data: arrays, a `dataset_fn` (a generator function included), a
+`keras.utils.PyDataset` or a `PerWorkerDataset`; see
+`kdist.keras.parameter_server.chief_data` for how each is shared by the workers.
+
+Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
+parameter servers' state (weights and optimizer slots), each file written to a
+temporary file, fsynced and renamed into place (`kdist.keras.atomic_save`,
+installed by `kdist.keras.parameter_server.worker_steps.scoped_call`); the chief's
+`optimizer.iterations` counts the steps the closures applied. A tqdm bar shows
+steps, steps/s, and how many closures were retried after worker failures.
+"""
+
+import contextlib
+import time
+
+import keras
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from kdist.coordinator import ClusterCoordinator
+from kdist.errors import InvalidArgumentError, UnsupportedError
+from kdist.keras import _compat
+from kdist.keras.parameter_server.chief_data import EpochSource, IndexedBatches, split_validation
+from kdist.keras.parameter_server.worker_runtime import add_state
+
+_UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "validation_sample_weight")
+
+
+def coordinator_for(strategy):
+    """The strategy's coordinator, created on first use."""
+    existing = strategy.extended._cluster_coordinator
+    return existing if existing is not None else ClusterCoordinator(strategy)
+
+
+# ----- what a closure runs on a worker -------------------------------------------------
+def run_steps(model, kind, source, steps):
+    """Runs `steps` train or test steps of the worker's `model`; returns its metric state and batch spec.
+
+    `source` is a list of batches (array data carried by the closure) or the
+    worker's iterator of its per-worker dataset.
+    """
+    model.reset_metrics()
+    training = kind == "train"
+    function = model.make_train_function() if training else model.make_test_function()
+    if model.training != training:  # `train()` walks every submodule: only on a switch
+        model.train(training)
+    batch = None
+    for step in range(steps):
+        batch = source[step] if isinstance(source, (list, IndexedBatches)) else next(source)
+        function([_to_torch(batch)])
+    states = [np.asarray(variable.numpy()) for variable in _metric_variables(model)]
+    # An empty batch of the same structure, shapes and dtypes: enough for the
+    # chief to build its own metrics symbolically.
+    spec = keras.tree.map_structure(
+        lambda value: np.zeros((0, *tuple(value.shape)[1:]), dtype=keras.backend.standardize_dtype(value.dtype)),
+        batch)
+    return states, spec
+
+
+# Each step's train/test function pulls what changed first: no pull before the closure.
+run_steps.kdist_reads_variables_itself = True
+
+
+def _to_torch(batch):
+    def convert(value):
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value)
+        return value
+
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    return keras.tree.map_structure(convert, batch)
+
+
+# ----- on the chief -------------------------------------------------------------------
+class _MetricMerger:
+    """Adds closures' metric states into the chief's metrics, building them on first use.
+
+    The variable list is looked up once per pass: walking `model.metrics`
+    costs more than the merge itself.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._variables = _metric_variables(model)
+
+    def add(self, states, spec):
+        if len(self._variables) != len(states) and spec is not None:
+            _compat.symbolic_build(self._model, spec)
+            self._variables = _metric_variables(self._model)
+        add_state(self._variables, states,
+                  what=f"the metrics of {self._model.name!r} (compile the model in strategy.scope() before fit)")
+
+
+def _metric_variables(model):
+    return [variable for metric in model.metrics for variable in metric.variables]
+
+
+def _results(model):
+    logs = {}
+    for name, value in _compat.local_metrics_result(model).items():
+        array = keras.ops.convert_to_numpy(value)
+        logs[name] = float(array) if np.ndim(array) == 0 else array
+    return logs
+
+
+@contextlib.contextmanager
+def one_step_per_execution(model):
+    """Runs the block with `model.steps_per_execution == 1` when torch would reject more."""
+    packed = getattr(model, "steps_per_execution", 1)
+    if packed == 1 or not _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION:
+        yield
+        return
+    model.steps_per_execution = 1
+    for kind in ("train", "test", "predict"):
+        setattr(model, f"{kind}_function", None)
+    try:
+        yield
+    finally:
+        model.steps_per_execution = packed
+        for kind in ("train", "test", "predict"):
+            setattr(model, f"{kind}_function", None)
+
+
+def _pack(model):
+    return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+
+
+def _batch_hook_overridden(callbacks, kind, when):
+    """True when a callback overrides a batch hook (Keras' own test for async dispatch, by method identity)."""
+    names = (f"on_batch_{when}", f"on_{kind}_batch_{when}")
+    return any(getattr(type(callback), name) is not getattr(keras.callbacks.Callback, name)
+               for callback in callbacks.callbacks for name in names)
+
+
+def _run_pass(model, coordinator, kind, chunks, callbacks, progress):
+    """Schedules every closure of one pass and merges their metric states in order.
+
+    Batch hooks run only when a callback overrides them, and logs (a
+    `metric.result()` per metric) are computed for a closure only when a
+    callback reads them or the progress bar is about to redraw: nothing
+    else does, and per closure they cost more than the merge.
+    """
+    on_begin = getattr(callbacks, f"on_{kind}_batch_begin")
+    on_end = getattr(callbacks, f"on_{kind}_batch_end")
+    call_begin = _batch_hook_overridden(callbacks, kind, "begin")
+    call_end = _batch_hook_overridden(callbacks, kind, "end")
+    merger = _MetricMerger(model)
+    values = [(begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count)))
+              for begin, count, source in chunks]
+    logs = None
+    try:
+        for position, (begin, count, value) in enumerate(values):
+            if call_begin:
+                on_begin(begin)
+            states, spec = value.get()
+            merger.add(states, spec)
+            last = position == len(values) - 1
+            logs = _results(model) if call_end or last else None
+            if call_end:
+                on_end(begin + count - 1, logs)
+            if progress is not None:
+                progress.advance(count, lambda: logs if logs is not None else _results(model), last)
+            if model.stop_training:
+                logs = _results(model)
+                break
+        coordinator.join()
+    except Exception as error:
+        # The coordinator recorded the first fatal error (a closure that was
+        # cancelled because of it raises CancelledError here): raise that root
+        # cause, once, and leave the coordinator usable.
+        try:
+            coordinator.join()
+        except Exception as root:
+            if root is not error:
+                raise root from None
+        raise
+    return logs or {}
+
+
+class _Progress:
+    """A tqdm bar on the chief: steps, steps/s, and the latest logs, retried closures and live workers.
+
+    The postfix is recomputed only when tqdm is about to redraw (at most
+    every `mininterval` seconds), so a fast pass does not compute logs for
+    every closure.
+    """
+
+    def __init__(self, coordinator, total, description):
+        self._coordinator = coordinator
+        self._bar = tqdm(total=total, desc=description, unit="step", leave=True, dynamic_ncols=True)
+        self._drawn_at = 0.0
+
+    def advance(self, steps, read_logs, last):
+        bar = self._bar
+        now = time.monotonic()
+        if last or now - self._drawn_at >= bar.mininterval:
+            stats = self._coordinator.stats
+            bar.set_postfix(
+                {**{k: f"{v:.4g}" for k, v in read_logs().items() if isinstance(v, float)},
+                 "retried": stats["closures_retried"],
+                 "workers": f"{stats['workers_available']}/{self._coordinator.num_workers}"},
+                refresh=False)
+            self._drawn_at = now
+        bar.update(steps)
+
+    def close(self):
+        self._bar.close()
+
+
+def _progress(verbose, coordinator, total, description):
+    return None if verbose == 0 else _Progress(coordinator, total, description)
+
+
+def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_data=None, shuffle=True, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1, **kwargs):
+    """`model.fit` on the chief of a coordinator cluster (see the module docstring)."""
+    unsupported = sorted(key for key in kwargs if key in _UNSUPPORTED_FIT and kwargs[key] is not None)
+    unknown = sorted(key for key in kwargs if key not in _UNSUPPORTED_FIT)
+    if unsupported:
+        raise UnsupportedError(
+            f"fit under ParameterServerStrategy with a coordinator does not support {unsupported}. "
+            "Pass validation_data, and weight classes inside dataset_fn."
+        )
+    if unknown:
+        raise InvalidArgumentError(f"fit got unexpected arguments {unknown}.")
+    coordinator = coordinator_for(strategy)
+    source = EpochSource(coordinator, x, y, batch_size, steps_per_epoch, shuffle, "fit", "steps_per_epoch")
+    verbose = 1 if verbose == "auto" else verbose
+    pack = _pack(model)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=False, verbose=verbose, epochs=epochs,
+            steps=source.steps, model=model)
+    model.stop_training = False
+    callbacks.on_train_begin()
+    training_logs = {}
+    first_epoch = _compat.take_initial_epoch(model, initial_epoch)
+    for epoch in range(first_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        progress = _progress(verbose, coordinator, source.steps, f"Epoch {epoch + 1}/{epochs}")
+        try:
+            logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack), callbacks, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        source.on_epoch_end()
+        epoch_logs = dict(logs)
+        if validation_data is not None and _should_evaluate(epoch, validation_freq):
+            val_x, val_y = split_validation(validation_data)
+            val_logs = evaluate(model, strategy, val_x, val_y, batch_size=validation_batch_size or batch_size,
+                                verbose=0, steps=validation_steps, callbacks=callbacks, return_dict=True)
+            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    callbacks.on_train_end(logs=training_logs)
+    return model.history
+
+
+def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
+             callbacks=None, return_dict=False, **kwargs):
+    """`model.evaluate` on the chief of a coordinator cluster: closures of test steps on the workers."""
+    if sample_weight is not None:
+        raise UnsupportedError("evaluate with a coordinator does not support sample_weight; yield it from dataset_fn.")
+    kwargs.pop("_use_cached_eval_dataset", None)
+    if kwargs:
+        raise InvalidArgumentError(f"evaluate got unexpected arguments {sorted(kwargs)}.")
+    coordinator = coordinator_for(strategy)
+    source = EpochSource(coordinator, x, y, batch_size, steps, False, "evaluate", "steps")
+    verbose = 1 if verbose == "auto" else verbose
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=False, add_progbar=False, verbose=verbose, epochs=1,
+            steps=source.steps, model=model)
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    progress = _progress(verbose, coordinator, source.steps, "Evaluate")
+    try:
+        logs = _run_pass(model, coordinator, "test", source.epoch_sources(_pack(model)), callbacks, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    callbacks.on_test_end(logs)
+    if return_dict:
+        return logs
+    return _compat.flatten_metrics_in_order(model, logs)
+
+
+def _should_evaluate(epoch, validation_freq):
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq

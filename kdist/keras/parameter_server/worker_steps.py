@@ -1,0 +1,392 @@
+"""Keras training against parameter servers (`ParameterServerStrategy`).
+
+What changes for a model attached to a parameter-server strategy:
+
+- every step function (`train`/`test`/`predict`, Keras' own or the replica
+  engine's) first pulls the variables that changed on the servers into the
+  local copies — one request per server;
+- the optimizer's `apply` no longer updates anything locally: it scales and
+  clips the gradients as the optimizer would (norms need whole gradients,
+  which only the worker has), then the step's update goes to the servers in
+  one push per server, together with non-trainable state the step changed
+  (BatchNorm statistics). The servers apply the optimizer, rebuilt from its
+  config, under a per-variable lock;
+- `Embedding` layers whose table lives on parameter servers read only the rows
+  a batch uses and push only those rows' gradients (one worker device);
+- `fit` ends, and `save`/`save_weights` start, by reading the servers' state
+  (weights and optimizer slots) into the local model, so the file written is
+  the parameter servers' current state and loads in plain Keras. Only the
+  chief writes (others skip with a warning), atomically, `BackupAndRestore` too.
+
+Called from `kdist.keras.hooks`; the only Keras internals used come from
+`kdist.keras._compat`.
+"""
+
+import threading
+import warnings
+
+import keras
+import torch
+
+from kdist import faults
+from kdist.errors import UnsupportedError
+from kdist.keras import _compat, atomic_save
+from kdist.keras.parameter_server import embeddings as ps_embeddings
+from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
+from kdist.keras.replica import gradient_merge
+
+_local = threading.local()
+
+
+def _current_step():
+    """The `_Step` of the step function running in this thread, or None."""
+    return getattr(_local, "step", None)
+
+
+def is_parameter_server(strategy):
+    """True for a strategy whose variables live on parameter servers."""
+    return hasattr(strategy.extended, "remote_variables")
+
+
+def on_variable_created(variable, strategy):
+    """Places `variable` on the parameter servers unless Keras made it for an optimizer, metric or RNG.
+
+    An optimizer created in scope is connected too (its first variable is
+    born in its constructor), so a custom loop's `optimizer.apply` pushes.
+    """
+    if not is_parameter_server(strategy):
+        return
+    owner = _compat.variable_owner()
+    if _compat.is_model_variable(variable, owner):
+        strategy.extended._on_variable_created(variable)
+    elif isinstance(owner, keras.optimizers.Optimizer) and getattr(owner, "_kdist_ps_session", None) is None:
+        _wrap_optimizer(owner, PSSession(None, strategy))
+
+
+class _Step:
+    """The update one step function call produces, pushed when the call returns."""
+
+    def __init__(self):
+        self.rows = {}
+        self.dense = []
+        self.row_updates = []
+        self.pending = False
+
+    def record_rows(self, entry, ids, rows, versions):
+        self.rows.setdefault(id(entry), []).append((ids, rows, versions))
+
+
+class PSSession:
+    """Per-model state: which variables are remote, which optimizer the servers use.
+
+    Not thread-safe: used by the thread that runs the model's `fit`.
+    """
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        self.store = strategy.extended.remote_variables
+        self._configured = set()
+
+    # ----- reads ----------------------------------------------------------------
+    def entries(self):
+        """Remote entries of the model's weights (none for an optimizer used without a model)."""
+        return [] if self.model is None else self.store.entries(self.model.weights)
+
+    def pull(self, include_row_sparse=False):
+        """Reads what changed on the servers since the last read (one request per server)."""
+        self.store.pull(self.entries(), include_row_sparse=include_row_sparse)
+
+    # ----- optimizer --------------------------------------------------------------
+    def configure(self, optimizer, entries):
+        missing = [entry for entry in entries if entry.trainable and id(entry) not in self._configured]
+        if not missing or optimizer is None:
+            return
+        self.store.configure_optimizer(server_optimizer_config(optimizer), missing)
+        self._configured.update(id(entry) for entry in missing)
+
+    def check_supported(self):
+        for entry in self.entries():
+            if entry.trainable and getattr(entry.variable, "constraint", None) is not None:
+                raise UnsupportedError(
+                    "Variables with a constraint cannot live on parameter servers: the servers "
+                    f"apply updates and do not know the constraint. Received: variable "
+                    f"{entry.variable.path!r} with constraint {entry.variable.constraint!r}. "
+                    "Drop the constraint or train this model with MirroredStrategy."
+                )
+
+    def update_from(self, optimizer, gradients, variables, step):
+        """Turns `optimizer.apply(gradients, variables)` into a server update (see module doc)."""
+        tensors, targets, local = [], [], []
+        for gradient, variable in zip(gradients, variables):
+            entry = self.store.entry(variable)
+            if entry is None:
+                local.append((gradient, variable))
+            elif entry.row_sparse:
+                records = step.rows.pop(id(entry), []) if step is not None else []
+                if gradient is not None:
+                    raise UnsupportedError(
+                        "An embedding table that is read by row lookups was also used densely "
+                        f"(it received a full gradient). Received: variable {variable.path!r}. "
+                        "Tie weights through a separate layer, or use several worker devices, "
+                        "where tables are read whole."
+                    )
+                records = [(ids, rows, versions) for ids, rows, versions in records if rows.grad is not None]
+                if records:
+                    ids = torch.cat([ids for ids, _, _ in records])
+                    versions = {}
+                    for _, _, record_versions in records:
+                        for position, version in record_versions.items():
+                            versions[position] = min(version, versions.get(position, version))
+                    tensors.append(torch.cat([rows.grad for _, rows, _ in records]))
+                    targets.append((entry, ids, versions))
+            elif gradient is not None:
+                tensors.append(gradient)
+                targets.append((entry, None, None))
+        if local:
+            raise UnsupportedError(
+                "Under ParameterServerStrategy every trainable variable must be created in "
+                "strategy.scope() so it lives on the parameter servers. Received local variables "
+                f"{[variable.path for _, variable in local]}. Build the model inside the scope."
+            )
+        scale = optimizer.loss_scale_factor
+        if scale is not None:
+            tensors = [tensor / scale for tensor in tensors]
+        tensors = _compat.clip_gradients(optimizer, tensors)
+        dense = [(entry, tensor) for tensor, (entry, ids, _) in zip(tensors, targets) if ids is None]
+        rows = [(entry, ids, tensor, versions) for tensor, (entry, ids, versions) in zip(tensors, targets) if ids is not None]
+        self.configure(optimizer, [entry for entry, _ in dense] + [entry for entry, *_ in rows])
+        return dense, rows
+
+    def push(self, dense, rows, state_entries=()):
+        """Sends a step's update, plus those of `state_entries` (non-trainable) that the step changed."""
+        assign = [entry for entry in state_entries if not entry.trainable and self.store.changed(entry)]
+        if dense or rows or assign:
+            self.store.push(dense, rows, assign)
+
+    # ----- save -------------------------------------------------------------------
+    def read_back(self):
+        """Makes the local model and optimizer hold the parameter servers' current state."""
+        entries = self.entries()
+        self.store.pull(entries, include_row_sparse=True, only_changed=False)
+        optimizer = self.model.optimizer
+        trainable = [entry for entry in entries if entry.trainable]
+        if optimizer is None or not trainable:
+            return
+        # Idempotent on the servers; a chief that never trained has not sent it yet.
+        self.configure(optimizer, trainable)
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        states = self.store.optimizer_state(trainable)
+        iterations = 0
+        for entry, (entry_iterations, slots) in zip(trainable, states):
+            iterations = max(iterations, entry_iterations)
+            for slot_name, value in slots.items():
+                slot = getattr(optimizer, "_kdist_ps_slots", {}).get((id(entry.variable), slot_name))
+                if slot is None:
+                    raise UnsupportedError(
+                        f"Cannot map the server's optimizer slot {slot_name!r} of "
+                        f"{entry.variable.path!r} to the local optimizer. The optimizer must be "
+                        "built after the model is compiled in strategy.scope() (Keras does this "
+                        "in fit), and its slots must be made with add_variable_from_reference."
+                    )
+                slot.assign(value)
+        # The servers count the steps they applied since they started; a
+        # coordinator counts every closure's steps (restored ones included).
+        optimizer.iterations.assign(max(iterations, int(optimizer.iterations.numpy())))
+
+
+def session_of(model):
+    return getattr(model, "_kdist_ps_session", None)
+
+
+def session_for(model, strategy):
+    """The model's `PSSession` with `strategy`, created on first use."""
+    session = session_of(model)
+    if session is None or session.strategy is not strategy:
+        session = PSSession(model, strategy)
+        object.__setattr__(model, "_kdist_ps_session", session)
+    return session
+
+
+def connect_optimizer(model, strategy):
+    """Makes the model's optimizer push to the parameter servers.
+
+    Must run before the replica engine wraps the optimizer (its recording
+    wrapper then calls this one with the combined gradients).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        _wrap_optimizer(optimizer, session_for(model, strategy))
+
+
+def wrap_step_functions(model, strategy):
+    """Makes every step function pull first and push last (after the replica engine's overrides)."""
+    session = session_for(model, strategy)
+    for kind in ("train", "test", "predict"):
+        _wrap_make_function(model, kind, session)
+
+
+def _wrap_optimizer(optimizer, session):
+    """Replaces `optimizer.apply` by a push to `session`'s servers; later calls only switch the session.
+
+    Wrapping once keeps whatever wrapped this wrapper (the replica engine's
+    recorder) in place when a model is compiled again.
+    """
+    already_wrapped = getattr(optimizer, "_kdist_ps_session", None) is not None
+    object.__setattr__(optimizer, "_kdist_ps_session", session)
+    if already_wrapped:
+        return
+    original_add = optimizer.add_variable_from_reference
+
+    def apply(grads, trainable_variables=None):
+        # Replicas of one worker record (fit) or merge (strategy.run) first: one combined push.
+        if gradient_merge.route(optimizer, grads, trainable_variables):
+            return None
+        session = optimizer._kdist_ps_session
+        if trainable_variables is None:
+            trainable_variables = _compat.optimizer_trainable_variables(optimizer)
+        step = _current_step()
+        with torch.no_grad():
+            dense, rows = session.update_from(optimizer, list(grads), list(trainable_variables), step)
+            optimizer.iterations.assign_add(1)
+        if step is not None:
+            if step.pending:
+                # A second apply in one step function call: send the first now.
+                session.push(step.dense, step.row_updates)
+            step.dense, step.row_updates, step.pending = dense, rows, True
+            return
+        # A custom training loop: push at once, then read the result back as a
+        # local apply would have changed the variables.
+        session.push(dense, rows)
+        session.store.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        slot = original_add(reference_variable, *args, **kwargs)
+        name = kwargs.get("name", args[0] if args else None)
+        optimizer._kdist_ps_slots[(id(reference_variable), name)] = slot
+        return slot
+
+    object.__setattr__(optimizer, "_kdist_ps_slots", {})
+    object.__setattr__(optimizer, "apply", apply)
+    object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+
+
+def _wrap_make_function(model, kind, session):
+    attribute = f"make_{kind}_function"
+    base = getattr(model, f"_kdist_ps_base_{attribute}", None)
+    if base is None or getattr(model, attribute) is not getattr(model, f"_kdist_ps_{attribute}", None):
+        base = getattr(model, attribute)
+        object.__setattr__(model, f"_kdist_ps_base_{attribute}", base)
+
+    def make_function(force=False):
+        if model.jit_compile:
+            warnings.warn(
+                "jit_compile=True is turned off under ParameterServerStrategy: each step talks "
+                "to the parameter servers, which torch.compile cannot trace. The model trains eagerly.",
+                stacklevel=2,
+            )
+            model.jit_compile = False
+        base(force=force)
+        function = getattr(model, f"{kind}_function")
+        if getattr(function, "_kdist_ps_wrapped", False):
+            return function
+        wrapped = _train_wrapper(function, session) if kind == "train" else _read_wrapper(function, session)
+        wrapped._kdist_ps_wrapped = True
+        object.__setattr__(model, f"{kind}_function", wrapped)
+        return wrapped
+
+    object.__setattr__(model, f"_kdist_ps_{attribute}", make_function)
+    object.__setattr__(model, attribute, make_function)
+    object.__setattr__(model, f"{kind}_function", None)
+
+
+def _train_wrapper(function, session):
+    def train_function(data):
+        # Once per step: which variables are remote (used by the pull and the push).
+        entries = session.entries()
+        if not faults.ACTIVE.skip_pull:
+            session.store.pull(entries)
+        step = _Step()
+        _local.step = step
+        try:
+            logs = function(data)
+        finally:
+            _local.step = None
+        session.push(step.dense, step.row_updates, state_entries=entries)
+        return logs
+
+    return train_function
+
+
+def _read_wrapper(function, session):
+    def read_function(data):
+        # Other workers keep training while this one evaluates: read what changed.
+        session.pull()
+        return function(data)
+
+    return read_function
+
+
+# ----- fit / evaluate / predict / save ----------------------------------------------
+def scoped_call(method, model, name, args, kwargs):
+    """Runs `model.<name>` (already inside the strategy's scope) against the parameter servers."""
+    session = session_of(model)
+    strategy = session.strategy
+    atomic_save.make_backups_atomic(method, model, name, args, kwargs)
+    if name in ("fit", "evaluate"):
+        from kdist.keras.parameter_server import chief_fit as coordinator_fit
+        from kdist.keras.parameter_server import worker_runtime as coordinator_runtime
+
+        if coordinator_runtime.is_coordinator_mode(strategy):
+            # The chief drives the workers; it trains nothing itself.
+            session.check_supported()
+            run = coordinator_fit.fit if name == "fit" else coordinator_fit.evaluate
+            try:
+                return run(model, strategy, *args, **kwargs)
+            finally:
+                session.pull(include_row_sparse=True)
+    if name in ("predict", "predict_on_batch", "test_on_batch", "train_on_batch"):
+        from kdist.keras.parameter_server import chief_fit as coordinator_fit
+
+        # `steps_per_execution` packs coordinator closures; the chief's own
+        # torch steps accept only 1.
+        with coordinator_fit.one_step_per_execution(model):
+            return _scoped_local_call(method, model, session, name, args, kwargs)
+    return _scoped_local_call(method, model, session, name, args, kwargs)
+
+
+def _scoped_local_call(method, model, session, name, args, kwargs):
+    strategy = session.strategy
+    if name in ("fit", "train_on_batch"):
+        session.check_supported()
+        ps_embeddings.enable_row_lookups(model, session, _current_step)
+        try:
+            return method(model, *args, **kwargs)
+        finally:
+            # The servers hold the result; the local copies lag by the last push.
+            # Embedding tables are read whole after fit only, not after each
+            # train_on_batch (that would move the table every step).
+            session.pull(include_row_sparse=name == "fit")
+    if name in ("save", "save_weights"):
+        if not strategy.extended.should_checkpoint:
+            warnings.warn(
+                f"model.{name}() was skipped on this worker: under ParameterServerStrategy only "
+                "the chief writes files (strategy.extended.should_checkpoint is False here).",
+                stacklevel=3,
+            )
+            return None
+        session.read_back()
+        return atomic_save.save(method, model, args, kwargs)
+    if name == "load_weights":
+        # The chief's optimizer applies nothing itself, so it may be unbuilt;
+        # Keras would then skip its saved state (iterations included).
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        result = method(model, *args, **kwargs)
+        session.store.assign(session.entries())
+        return result
+    if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
+        ps_embeddings.enable_row_lookups(model, session, _current_step)
+    return method(model, *args, **kwargs)

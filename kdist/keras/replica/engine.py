@@ -1,0 +1,369 @@
+"""Runs a Keras model's own steps on several replicas in one process.
+
+For each global batch:
+
+1. split it into contiguous shards, as even as possible (replicas without
+   samples sit the step out);
+2. run the model's unmodified `train_step`/`test_step`/`predict_step` once per
+   replica, inside `keras.device(replica device)`, a `ReplicaContext`, and a
+   `keras.StatelessScope` so no replica changes the model's variables;
+3. `optimizer.apply` only records each replica's gradients
+   (`kdist.keras.replica.gradient_merge`); afterwards they are combined
+   (`kdist.keras.replica.gradient_combine`: weighted by each replica's share of the
+   loss's divisor) and applied once to the canonical variables. A step that
+   applies twice or calls `merge_call` runs in merge mode instead
+   (`kdist.keras.replica.merged_step`);
+4. non-trainable state is reconciled (`kdist.keras.replica.state_sync`).
+
+Replicas on the canonical device read the canonical tensors directly (no
+copies); replicas on other devices get copies made at the start of each step,
+so weight changes made by callbacks between steps are always seen.
+
+Replicas run one after another in the caller's thread. On GPUs they still
+overlap, because nothing here waits for the device (no `.item()`, no host
+copies) between launching one replica's kernels and the next.
+"""
+
+
+import keras
+import torch
+
+from kdist import faults
+from kdist.collectives.local import copy_to_device
+from kdist.distribute import context
+from kdist.distribute.batching import split_batch
+from kdist.errors import UnsupportedError
+from kdist.keras import _compat, sync_batchnorm
+from kdist.keras.replica import (
+    float8_sync,
+    gradient_accumulation,
+    gradient_combine,
+    gradient_merge,
+    gradient_overlap,
+    loss_denominators,
+    merged_step,
+    process_sync,
+    state_sync,
+    step_logs,
+)
+
+
+class ReplicaEngine:
+    """Step functions that run a model data-parallel over a strategy's replicas.
+
+    Not thread-safe: one engine per model, used by the thread that calls `fit`.
+    """
+
+    def __init__(self, model, strategy):
+        self._model = model
+        self._strategy = strategy
+        self._devices = strategy.extended.replica_devices
+        self._num_replicas = len(self._devices)
+        # Set for a multi-worker strategy: the reductions between processes.
+        self._processes = process_sync.for_strategy(strategy)
+        self._state = None
+        self._needs_broadcast = True
+        # The engine is rebuilt by every compile(), so the compiled loss is fixed here.
+        self._summed_loss = _all_losses_summed(model)
+        # Merge mode runs each replica in its own thread and stops them all at
+        # every `optimizer.apply` or merge: from the start for synchronized
+        # BatchNormalization, else from the first step that applies twice.
+        self._merge_mode = sync_batchnorm.needs_merge_mode(model)
+        # Multi-worker only: reduce during backward, and defer accumulation micro-steps.
+        self._overlap = gradient_overlap.GradientOverlap(self)
+        self._overlapped = None
+        self._accumulation = gradient_accumulation.DeferredAccumulation(self)
+        previous = getattr(model, "_kdist_engine", None)
+        if previous is not None:  # a recompile: the old engine's hooks go with it
+            previous._overlap.remove_hooks()
+        object.__setattr__(model, "_kdist_engine", self)
+
+    # ----- Keras step-function entry points (receive a list of batches) -----
+    def train_function(self, data):
+        logs = None
+        for batch in data:
+            logs = self._train_batch(batch)
+        return logs
+
+    def test_function(self, data):
+        logs = None
+        with torch.no_grad():
+            for batch in data:
+                logs = self._test_batch(batch)
+        return logs
+
+    def predict_function(self, data):
+        outputs = None
+        with torch.no_grad():
+            for batch in data:
+                outputs = self._predict_batch(batch)
+        return outputs
+
+    # ----- steps -----------------------------------------------------------
+    def _train_batch(self, batch):
+        state = self._state_variables()
+        replicas, total = self._active_shards(batch)
+        if not self._merge_mode:
+            try:
+                return self._train_batch_recorded(state, replicas, total)
+            except gradient_merge.MergeModeNeeded:
+                # Nothing was applied or assigned yet (every change lives in the
+                # replicas' scopes), so the batch can run again in merge mode.
+                self._merge_mode = True
+        return merged_step.train_batch(self, state, replicas, total)
+
+    def _train_batch_recorded(self, state, replicas, total):
+        """Runs the replicas one after another, recording their one `apply` each, then applies once.
+
+        In a multi-worker job the gradients are reduced while backward runs
+        where the step allows it (`gradient_overlap`), and not at all on
+        accumulation micro-steps (`gradient_accumulation`).
+        """
+        model = self._model
+        deferral = self._accumulation.step_kind(state)
+        overlapped = None if deferral is not None else self._overlap.begin(state, replicas, total)
+        self._overlapped = overlapped
+        scopes, replica_logs, recorders = [], [], []
+        combined = control = None
+        try:
+            for replica_id, shard, size in replicas:
+                recorder = gradient_merge.GradientRecorder(single_call=not faults.ACTIVE.no_merge_mode)
+                with gradient_merge.recording(recorder):
+                    scope, logs, _ = self._run_replica(replica_id, model.train_step, shard, state, True, size / total)
+                scopes.append(scope)
+                replica_logs.append(logs)
+                recorders.append(recorder)
+            gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
+            if overlapped is not None:
+                combined, control = overlapped.finish(recorders)
+        except gradient_merge.MergeModeNeeded:
+            if overlapped is not None:
+                # Every rank got here alike; the buckets already on their way must land first.
+                overlapped.drain()
+            raise
+        finally:
+            self._overlapped = None
+            self._overlap.disarm()
+        if control is not None:
+            # Reduced during backward; the overlap's control vector travels with the state.
+            weights = control.weights
+            self._reconcile(state, scopes, weights, control.pending, control)
+            updates = control.updates()
+            if updates is None:  # some process could not overlap this step
+                updates, pending, _ = self._accumulation.combine(replicas, total, recorders, deferral)
+                self._processes.wait(pending)
+        else:
+            if combined is None:
+                combined = self._accumulation.combine(replicas, total, recorders, deferral)
+            updates, pending, weights = combined
+            # In a multi-worker job the gradient and state all-reduces run together;
+            # this waits for both before anything is assigned.
+            self._reconcile(state, scopes, weights, pending)
+        with torch.no_grad():
+            for optimizer, variables, gradients in updates:
+                optimizer.apply(gradients, variables)
+        return self._merge_logs(replica_logs, weights)
+
+    def _test_batch(self, batch):
+        state = self._state_variables()
+        replicas, total = self._active_shards(batch)
+        results = [
+            self._run_replica(replica_id, self._model.test_step, shard, state, False, size / total)
+            for replica_id, shard, size in replicas
+        ]
+        scopes = [scope for scope, _, _ in results]
+        gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
+        weights = gradient_combine.weights_for_call(self, replicas, total, [d for _, _, d in results])
+        self._reconcile(state, scopes, weights)
+        return self._merge_logs([logs for _, logs, _ in results], weights)
+
+    def _predict_batch(self, batch):
+        state = self._state_variables()
+        replicas, _ = self._active_shards(batch)
+        outputs = [
+            self._run_replica(replica_id, self._model.predict_step, shard, state, False)[1]
+            for replica_id, shard, _ in replicas
+        ]
+        if len(outputs) == 1:
+            local = outputs[0]
+        else:
+            device = self._devices[0].torch_device
+            local = keras.tree.map_structure(
+                lambda *parts: torch.cat(copy_to_device(parts, device)), *outputs
+            )
+        if self._processes is None:
+            return local
+        if all(n == 0 for _, _, n in replicas):
+            local = keras.tree.map_structure(lambda leaf: leaf[:0], local)
+        return self._processes.gather_outputs(local, batch)
+
+    # ----- helpers ---------------------------------------------------------
+    def forget_layout(self):
+        """Re-reads the model's variables at the next step (layers may have changed between calls).
+
+        Also marks the start of a fit/evaluate/predict call: in a multi-worker
+        job the next step first copies rank 0's variables to every rank.
+        """
+        self._state = None
+        self._needs_broadcast = True
+        # `sync_batchnorm.convert(model)` may have run since compile.
+        self._merge_mode = self._merge_mode or sync_batchnorm.needs_merge_mode(self._model)
+
+    def _state_variables(self):
+        if self._state is None or not self._state.complete:
+            self._state = state_sync.StateVariables(self._model, self._summed_loss)
+        if self._needs_broadcast and self._processes is not None and self._model.built:
+            self._processes.broadcast_variables(self._model)
+            self._needs_broadcast = False
+        return self._state
+
+    def _active_shards(self, batch):
+        """This process's non-empty shards `(local replica id, shard, size)` and the global batch size.
+
+        In a multi-worker job a process whose replicas all get no sample runs
+        replica 0 on the batch's first sample with size 0, so that it still
+        takes part in every collective; its results carry no weight.
+        """
+        if self._processes is not None:
+            return self._processes.local_shards(batch, self._num_replicas)
+        shards = split_batch(batch, self._num_replicas)
+        active = [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]
+        return active, sum(n for _, _, n in active)
+
+    @property
+    def faults(self):
+        """The negative-control switches in force (`FaultInjection`)."""
+        return faults.ACTIVE
+
+    def _reconcile(self, state, scopes, weights, pending=(), control=None):
+        """Combines the non-trainable state; in a multi-worker job after `pending` has arrived.
+
+        `control`: an overlapped step's control vector (`gradient_overlap`),
+        summed in the same all-reduce and read before anything is assigned.
+        """
+        if self._processes is None:
+            state_sync.reconcile(state, scopes, weights)
+            return
+        plan, contributions = state_sync.plan_contributions(
+            state, scopes, weights, self._processes.holds_first_replica, for_all_reduce=True
+        )
+        if control is not None:
+            contributions = list(contributions) + [control.tensor]
+        combined, works = self._processes.start_reduction(contributions, key="state")
+        self._processes.wait(list(pending) + works)
+        if control is not None:
+            control.arrive(combined[-1])
+            combined = combined[:-1]
+        state_sync.assign(plan, combined)
+
+    def _state_mapping(self, replica_id, state, training):
+        """What each replica reads instead of the canonical variables."""
+        model = self._model
+        device = self._devices[replica_id].torch_device
+        canonical_device = self._devices[0].torch_device
+        if device == canonical_device:
+            # Regularizers read trainable values through the scope, so map them
+            # to the canonical Parameters themselves: no copy, still leaves.
+            mapping = list(state.canonical_mapping)
+        else:
+            variables = list(model.variables) + state.metric_variables
+            copies = copy_to_device([_compat.torch_tensor_of(v).detach() for v in variables], device)
+            mapping = []
+            for variable, copy in zip(variables, copies):
+                if variable.trainable and training:
+                    copy = copy.detach().requires_grad_(True)
+                mapping.append((variable, copy))
+        if replica_id:
+            mapping.extend(
+                (v, state_sync.seed_offset(_compat.torch_tensor_of(v), replica_id).to(device))
+                for v in state.seed_states
+            )
+        return mapping
+
+    def _run_replica(self, replica_id, step_fn, shard, state, training, share=None):
+        """Runs one replica's step in this thread (sequential mode).
+
+        Returns:
+            `(scope, logs, denominator)`: the divisor of the losses computed
+            after the step's last `apply` (all of them in `test_step`).
+        """
+        # A training step that needs its replicas to meet runs again in merge mode.
+        merge_handler = _request_merge_mode if training else context.sequential_merge_handler
+        replica_context = context.ReplicaContext(self._strategy, replica_id, merge_handler=merge_handler)
+        context.push(self._strategy, replica_context)
+        loss_denominators.begin()
+        try:
+            with self._strategy.extended.replica_device_scope(replica_id):
+                scope, logs = self.run_in_scope(
+                    replica_id, step_fn, shard, state, training, self.replica_on_enter(replica_id, state, share, training)
+                )
+            return scope, logs, loss_denominators.take()
+        finally:
+            loss_denominators.end()
+            context.pop(self._strategy)
+
+    def replica_on_enter(self, replica_id, state, share, training):
+        """What runs as a replica's scope opens (None: nothing).
+
+        float8 output-gradient scales for its share; an overlapped step reads
+        the loss divisors recorded from here on.
+        """
+        overlapped = self._overlapped if training else None
+        prescale = training and state.float8.output_gradient_variables and not faults.ACTIVE.float8_mean
+        if not prescale and overlapped is None:
+            return None
+        device = self._devices[replica_id].torch_device
+
+        def on_enter(scope):
+            if overlapped is not None:
+                overlapped.capture_denominators()
+            if prescale:
+                float8_sync.prescale(scope, state.float8, share, device)
+
+        return on_enter
+
+    def run_in_scope(self, replica_id, step_fn, shard, state, training, on_enter=None):
+        """Runs `step_fn(shard)` inside the replica's `StatelessScope`: `(scope, logs)`.
+
+        The caller has entered the replica's context and device scope.
+        `on_enter(scope)` is told the scope before the step starts.
+        """
+        model = self._model
+        mapping = self._state_mapping(replica_id, state, training)
+        collect_losses = not faults.ACTIVE.drop_replica_losses
+        with keras.StatelessScope(mapping, collect_losses=collect_losses) as scope:
+            if on_enter is not None:
+                on_enter(scope)
+            if training:
+                # A train_step that forgets zero_grad must not mix this
+                # replica's gradients into the previous replica's.
+                model.zero_grad(set_to_none=True)
+            logs = step_fn(shard)
+        return scope, logs
+
+    def _merge_logs(self, logs, weights):
+        return step_logs.merge(self, logs, weights)
+
+
+def _request_merge_mode(merge_fn, args, kwargs):
+    del merge_fn, args, kwargs
+    if faults.ACTIVE.no_merge_mode:
+        return context.sequential_merge_handler(None, (), {})
+    raise gradient_merge.MergeModeNeeded()
+
+
+def _all_losses_summed(model):
+    """True when every compiled loss uses `reduction="sum"` (gradients then add up, not average)."""
+    losses = keras.tree.flatten(model.loss) if getattr(model, "loss", None) is not None else []
+    return bool(losses) and {getattr(loss, "reduction", None) for loss in losses} == {"sum"}
+
+
+def check_steps_per_execution(model):
+    """Raises a clear error for `steps_per_execution > 1` where Keras itself rejects it."""
+    if model.steps_per_execution > 1 and _compat.TORCH_TRAINER_REJECTS_STEPS_PER_EXECUTION:
+        raise UnsupportedError(
+            "steps_per_execution > 1 is not supported by Keras "
+            f"{keras.version()} on the torch backend. Received: steps_per_execution="
+            f"{model.steps_per_execution}. Compile with steps_per_execution=1 (kdist "
+            "already runs all replicas of a step in one call)."
+        )

@@ -1,0 +1,264 @@
+"""Keras behaviour that changes when a model trains in several processes.
+
+- Input: every rank reads the same global batches. Rank 0's random state is
+  copied to every rank when each epoch begins, so shuffling (torch's
+  `RandomSampler`, NumPy, `random`) draws the same order everywhere. Ranks
+  agree on the number of batches per epoch (the smallest), and for inputs
+  other than arrays (generators, `PyDataset`, `DataLoader`) they agree before
+  every step that each still has data: when one runs out, all stop the epoch.
+- Side effects: only the chief (rank 0) shows a progress bar and runs
+  `CSVLogger` and `TensorBoard`. `model.save`/`save_weights` are collectives:
+  the chief writes to a temporary file, fsyncs it and renames it into place
+  (`kdist.atomic_files`), then every rank continues. `BackupAndRestore` saves
+  the same way and every rank restores.
+- Decisions made from logs (`EarlyStopping`, `ReduceLROnPlateau`, best-only
+  checkpoints) agree on every rank because the logs are bitwise identical.
+"""
+
+import base64
+import contextlib
+import inspect
+import json
+import os
+import random
+import threading
+
+import keras
+import numpy as np
+import torch
+
+from kdist import atomic_files
+from kdist.errors import KdistError
+from kdist.keras import _compat, atomic_save
+from kdist.keras.replica import gradient_accumulation
+
+_active = threading.local()
+
+
+def collectives_of(strategy):
+    """The strategy's `ProcessCollectives` when it spans processes, else None."""
+    return getattr(strategy.extended, "collectives", None)
+
+
+# ----- input ------------------------------------------------------------------
+@contextlib.contextmanager
+def input_synchronisation(collectives):
+    """While active (in this thread), Keras epoch iterators agree across ranks on when data ends."""
+    previous = getattr(_active, "collectives", None)
+    _active.collectives = collectives
+    try:
+        yield
+    finally:
+        _active.collectives = previous
+
+
+def synchronised_iterable(epoch_iterator, iterable):
+    """Wraps what `EpochIterator._get_iterator` returned, when a multi-worker call is active."""
+    collectives = getattr(_active, "collectives", None)
+    if collectives is None:
+        return iterable
+    # Agree on the number of batches before the epoch starts (the smallest wins).
+    known = _compat.epoch_iterator_num_batches(epoch_iterator)
+    unknown_marker = torch.iinfo(torch.int64).max
+    (smallest,) = collectives.all_reduce_min(
+        [torch.tensor([known if known else unknown_marker], dtype=torch.int64)], name="num_batches"
+    )
+    smallest = int(smallest.item())
+    if smallest != unknown_marker and smallest != known:
+        _compat.set_epoch_iterator_num_batches(epoch_iterator, smallest)
+    if _compat.is_array_adapter(epoch_iterator):
+        return iterable  # same arrays everywhere: lengths already agree
+    return _HasDataIterable(iterable, collectives)
+
+
+class _HasDataIterable:
+    """Every `next` first agrees with the other ranks that each of them still has a batch."""
+
+    def __init__(self, iterable, collectives):
+        self._iterable = iterable
+        self._collectives = collectives
+
+    def __iter__(self):
+        # iter() of the input now, not at the first next(), as Keras would:
+        # a DataLoader draws its base seed from torch's global generator in
+        # iter(), and Keras makes (and drops) one more iterator at every
+        # epoch's end. Deferring that draw would leave rank 0's random state
+        # one draw behind plain Keras' before the next epoch's shuffle.
+        return self._batches(iter(self._iterable))
+
+    def _batches(self, iterator):
+        collectives = self._collectives
+        while True:
+            try:
+                batch = next(iterator)
+                has_data = True
+            except StopIteration:
+                batch, has_data = None, False
+            if not collectives.all_true(has_data, name="has_data"):
+                # Another rank ran out: everyone ends the epoch here, and the
+                # batches only some ranks still had are dropped.
+                return
+            yield batch
+
+    def __len__(self):
+        return len(self._iterable)
+
+
+class SharedRandomState(keras.callbacks.Callback):
+    """Copies rank 0's Python, NumPy and torch random state to every rank at each epoch's start.
+
+    That is what makes every rank shuffle the global data into the same order,
+    the one a single process seeded like rank 0 would use.
+    """
+
+    def __init__(self, collectives):
+        super().__init__()
+        self._collectives = collectives
+
+    def on_epoch_begin(self, epoch, logs=None):
+        state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        state = self._collectives.broadcast_object(state, source_rank=0, name="random_state")
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+
+
+# ----- calls to fit / evaluate / predict ------------------------------------------
+_CHIEF_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger)
+
+
+def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
+    """Returns the (args, kwargs) a rank passes to Keras' fit/evaluate/predict."""
+    collectives = collectives_of(strategy)
+    signature = inspect.signature(method)
+    bound = signature.bind(model, *args, **kwargs)
+    arguments = bound.arguments
+    is_chief = collectives.rank == 0
+    if not is_chief and "verbose" in signature.parameters:
+        arguments["verbose"] = 0
+    callbacks = arguments.get("callbacks")
+    # A CallbackList is what fit passes to its own validation evaluate: already adjusted.
+    if isinstance(callbacks, keras.callbacks.Callback) and not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = [callbacks]
+    if callbacks is None or isinstance(callbacks, (list, tuple)):
+        callbacks = list(callbacks or [])
+        if not is_chief:
+            callbacks = [cb for cb in callbacks if not isinstance(cb, _CHIEF_ONLY_CALLBACKS)]
+        for callback in callbacks:
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                _make_backup_collective(callback, strategy)
+            elif isinstance(callback, keras.callbacks.ModelCheckpoint):
+                _create_checkpoint_directory(callback, collectives)
+        if method.__name__ == "fit" and share_random_state:
+            callbacks.insert(0, SharedRandomState(collectives))
+        arguments["callbacks"] = callbacks
+    return bound.args[1:], bound.kwargs
+
+
+def _create_checkpoint_directory(callback, collectives):
+    # ModelCheckpoint creates its directory with os.makedirs (no exist_ok) on
+    # every rank; create it once, before training, so no rank races another.
+    directory = os.path.dirname(str(callback.filepath))
+    if directory and "{" not in directory and "://" not in directory:
+        run_on_chief(collectives, lambda: os.makedirs(directory, exist_ok=True), "checkpoint_directory")
+
+
+# ----- saving ----------------------------------------------------------------------
+def run_on_chief(collectives, write, name):
+    """Runs `write()` on rank 0 only; every rank returns once it finished.
+
+    A failure on the chief is raised on the chief and reported on the other
+    ranks as a `KdistError`, so no rank waits for a save that will not come.
+    """
+    error = None
+    if collectives.rank == 0:
+        try:
+            write()
+        except Exception as caught:  # noqa: BLE001 - re-raised below, after the others are told
+            error = caught
+    succeeded = collectives.all_true(error is None, name=f"barrier({name})")
+    if error is not None:
+        raise error
+    if not succeeded:
+        raise KdistError(f"The chief (rank 0) failed while running {name}; see its log for the error.")
+
+
+def atomic_write(path, write_to):
+    """Calls `write_to(temporary_path)` then renames the file onto `path`, durably (`kdist.atomic_files`).
+
+    A process killed mid-write leaves at most a stray temporary file; `path`
+    holds either the previous complete file or the new one. Remote paths
+    (`scheme://...`) are written directly.
+    """
+    return atomic_files.write_via(path, write_to)
+
+
+def collective_save(strategy, save, model, filepath, args, kwargs):
+    """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait."""
+    gradient_accumulation.flush(model)  # the file holds the whole job's accumulated gradients
+    write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
+    run_on_chief(collectives_of(strategy), write, f"save({os.fspath(filepath)})")
+
+
+def _make_backup_collective(callback, strategy):
+    """BackupAndRestore: the chief writes weights and metadata atomically; every rank waits.
+
+    Restoring is unchanged: every rank reads the same files at `on_train_begin`.
+    """
+    if getattr(callback, "_kdist_collective", False):
+        return
+    collectives = collectives_of(strategy)
+    paths = _compat.backup_paths(callback)
+
+    def write():
+        model = callback.model
+        # The class's save_weights: the instance's is the collective version.
+        save_weights = lambda path: atomic_write(path, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))  # noqa: E731
+        atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: _encode_random_state()})
+
+    def _save_model():
+        gradient_accumulation.flush(callback.model)
+        run_on_chief(collectives, write, "BackupAndRestore")
+
+    original_begin = callback.on_train_begin
+    original_end = callback.on_train_end
+
+    def on_train_begin(logs=None):
+        original_begin(logs)  # every rank restores weights and the initial epoch
+        if os.path.exists(paths.metadata):
+            with open(paths.metadata) as reader:
+                saved = json.load(reader).get(_RANDOM_STATE_KEY)
+            if saved is not None:
+                _restore_random_state(saved)
+
+    def on_train_end(logs=None):
+        run_on_chief(collectives, lambda: original_end(logs), "BackupAndRestore.on_train_end")
+
+    object.__setattr__(callback, "_save_model", _save_model)
+    object.__setattr__(callback, "on_train_begin", on_train_begin)
+    object.__setattr__(callback, "on_train_end", on_train_end)
+    object.__setattr__(callback, "_kdist_collective", True)
+
+
+# The random state travels with the backup so a resumed job shuffles its
+# remaining epochs exactly as the uninterrupted job would have.
+_RANDOM_STATE_KEY = "kdist_random_state"
+
+
+def _encode_random_state():
+    version, internal, gauss = random.getstate()
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+
+
+def _restore_random_state(saved):
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, position, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch_state = np.frombuffer(base64.b64decode(saved["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(torch_state))
