@@ -104,7 +104,7 @@ def train(args, resolver):
     reloaded = keras.saving.load_model(final_path)
     _, reloaded_accuracy = reloaded.evaluate(x_test, y_test, batch_size=256, verbose=0)
     difference = float(np.max(np.abs(local - reloaded.predict(x_test, batch_size=256, verbose=0))))
-    stats = strategy.extended.remote_variables.stats()
+    stats = strategy.extended.variable_router.stats()
     metrics = {
         "example": "ps_async_digits",
         "num_workers": num_workers,

@@ -135,7 +135,7 @@ class ClusterCoordinator:
         if getattr(self, "_initialized", False):
             return
         extended = getattr(strategy, "extended", None)
-        if not hasattr(extended, "remote_variables"):
+        if not hasattr(extended, "variable_router"):
             raise InvalidArgumentError(
                 "ClusterCoordinator needs a kdist.ParameterServerStrategy. Received: "
                 f"strategy={strategy!r}."
@@ -221,7 +221,7 @@ class ClusterCoordinator:
         """
         self._queue.wait_idle()
         self._queue.raise_error()
-        store = self._strategy.extended.remote_variables
+        store = self._strategy.extended.variable_router
         store.pull(store.all_entries())
 
     def done(self):
@@ -281,7 +281,7 @@ class ClusterCoordinator:
             self._stats[key] += amount
 
     def _watch_parameter_servers(self):
-        clients = self._strategy.extended.remote_variables.clients
+        clients = self._strategy.extended.variable_router.clients
         failing_since = {}
         while not self._stopped.is_set():
             for client in clients:

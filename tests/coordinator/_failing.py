@@ -56,7 +56,7 @@ def make_held_step(worker_fn, hold_address, fresh_update_ids=False):
 
     def step(iterator, hold=False):
         if fresh_update_ids:
-            store = kdist.get_strategy().extended.remote_variables
+            store = kdist.get_strategy().extended.variable_router
             with store.idempotent_updates(uuid.uuid4().hex):
                 loss = worker_fn(iterator)
         else:

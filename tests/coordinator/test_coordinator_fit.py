@@ -122,7 +122,7 @@ def test_fit_with_two_workers_two_ps_and_partitioned_variables_saves_the_ps_stat
         coordinator = strategy.extended._cluster_coordinator
         coordinator_stats = coordinator.stats
         server_values = {
-            key: value for client in strategy.extended.remote_variables.clients
+            key: value for client in strategy.extended.variable_router.clients
             for key, value in zip(*_read_all(client))}
         coordinator.shutdown()
     assert len(history.history["loss"]) == 3
@@ -139,7 +139,7 @@ def test_fit_with_two_workers_two_ps_and_partitioned_variables_saves_the_ps_stat
     layer = reloaded.layers[1]
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(layer.kernel),
-        np.concatenate([server_values[key] for key in strategy.extended.remote_variables.entry(kernel).keys]))
+        np.concatenate([server_values[key] for key in strategy.extended.variable_router.entry(kernel).keys]))
     for epoch in (1, 2, 3):
         assert (tmp_path / f"model-{epoch}.keras").exists()
 

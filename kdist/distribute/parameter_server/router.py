@@ -10,7 +10,7 @@ several parameter servers sends one request to each, in parallel, so a
 training step costs one round trip per server for its pull and one for its
 push.
 
-Thread-safety: `RemoteVariables` may be used from several threads; each entry
+Thread-safety: `VariableRouter` may be used from several threads; each entry
 is written by the thread that runs the model's step.
 
 Exactly-once pushes: a push may carry an update id, and each parameter server
@@ -35,7 +35,7 @@ from kdist.ps.values import check_update_id
 
 
 @dataclasses.dataclass(eq=False)
-class RemoteEntry:
+class Route:
     """One variable created in scope: its local copy and where its shards live.
 
     Attributes:
@@ -62,7 +62,7 @@ class RemoteEntry:
         return self.variable.value
 
 
-class RemoteVariables:
+class VariableRouter:
     """Creates, reads, updates and looks up variables on a job's parameter servers.
 
     Args:
@@ -102,7 +102,7 @@ class RemoteVariables:
             keys = tuple(f"v{index}/part_{position}" for position in range(len(placement.shards)))
         else:
             keys = (f"v{index}",)
-        entry = RemoteEntry(variable, placement, keys, [0] * len(keys))
+        entry = Route(variable, placement, keys, [0] * len(keys))
         value = _to_numpy(variable.value)
         requests = {}
         for position, shard in enumerate(placement.shards):
@@ -125,7 +125,7 @@ class RemoteVariables:
         the chief's keys; its first `pull` reads every value (versions start
         unknown).
         """
-        entry = RemoteEntry(variable, placement, tuple(keys), [-1] * len(keys))
+        entry = Route(variable, placement, tuple(keys), [-1] * len(keys))
         with self._lock:
             self._entries[id(variable)] = entry
         return entry
@@ -136,7 +136,7 @@ class RemoteVariables:
             return list(self._entries.values())
 
     def entry(self, variable):
-        """The `RemoteEntry` of `variable`, or None when it does not live on a parameter server."""
+        """The `Route` of `variable`, or None when it does not live on a parameter server."""
         entry = self._entries.get(id(variable))
         return entry if entry is not None and entry.variable is variable else None
 
@@ -303,9 +303,9 @@ class RemoteVariables:
 
         Example:
 
-        >>> with remote_variables.idempotent_updates("closure-17"):  # doctest: +SKIP
-        ...     remote_variables.push(gradients)  # update_id "closure-17/0"
-        ...     remote_variables.push(gradients)  # update_id "closure-17/1"
+        >>> with variable_router.idempotent_updates("closure-17"):  # doctest: +SKIP
+        ...     variable_router.push(gradients)  # update_id "closure-17/0"
+        ...     variable_router.push(gradients)  # update_id "closure-17/1"
         """
         if not isinstance(prefix, str) or not prefix:
             raise InvalidArgumentError(

@@ -23,7 +23,7 @@ from kdist.distribute.extended import ChiefRoles
 from kdist.distribute.mirrored import MirroredExtended
 from kdist.distribute.parameter_server.partitioners import Partitioner
 from kdist.distribute.parameter_server.placement import RoundRobinPlacer, device_string
-from kdist.distribute.parameter_server.router import RemoteVariables
+from kdist.distribute.parameter_server.router import VariableRouter
 from kdist.distribute.parameter_server.sharded_variable import RemoteVariable, ShardedVariable
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
@@ -39,7 +39,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
 
     Attributes:
         cluster_resolver: the resolver the job's layout came from.
-        remote_variables: the `RemoteVariables` store holding every placed variable.
+        variable_router: the `VariableRouter` store holding every placed variable.
         options: the `kdist.ps.ServiceOptions` given (None: defaults).
         security: the `kdist.ps.Security` presented to parameter servers and workers.
     """
@@ -78,14 +78,14 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         self.cluster_resolver = resolver
         self._partitioner = variable_partitioner
         self._placer = RoundRobinPlacer(len(addresses))
-        self.remote_variables = RemoteVariables(addresses, options=options, security=security)
+        self.variable_router = VariableRouter(addresses, options=options, security=security)
         self.options = options
         self.security = Security() if security is None else security
         self.devices_argument = devices
         # The `kdist.coordinator.ClusterCoordinator` of this strategy, once one exists.
         self._cluster_coordinator = None
         self._creation_paused = 0
-        weakref.finalize(container_strategy, self.remote_variables.close)
+        weakref.finalize(container_strategy, self.variable_router.close)
 
     # ----- roles (TensorFlow's names) -------------------------------------------------
     @property
@@ -120,7 +120,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
     @property
     def num_ps(self):
         """Number of parameter servers."""
-        return len(self.remote_variables.clients)
+        return len(self.variable_router.clients)
 
     @property
     def parameter_devices(self):
@@ -135,7 +135,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         target = self.colocation_target
         colocate_with = None
         if target is not None:
-            target_entry = self.remote_variables.entry(target)
+            target_entry = self.variable_router.entry(target)
             colocate_with = None if target_entry is None else target_entry.placement
         placement = self._placer.place(
             variable.name,
@@ -145,7 +145,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
             partitioner=None if colocate_with is not None else self._partitioner,
             colocate_with=colocate_with,
         )
-        return self.remote_variables.register(variable, placement)
+        return self.variable_router.register(variable, placement)
 
     @contextlib.contextmanager
     def local_variable_creation(self):
@@ -158,7 +158,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
 
     def placement(self, variable):
         """The `VariablePlacement` of `variable`, or None when it is a local variable."""
-        entry = self.remote_variables.entry(variable)
+        entry = self.variable_router.entry(variable)
         return None if entry is None else entry.placement
 
     def variable_device(self, variable):
@@ -176,14 +176,14 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         placement = self.placement(variable)
         if placement is None:
             self.variable_device(variable)  # raises the explanatory error
-        reader = _EntryReader(self.remote_variables, self.remote_variables.entry(variable))
+        reader = _EntryReader(self.variable_router, self.variable_router.entry(variable))
         if placement.is_partitioned:
             return ShardedVariable(placement, reader)
         return RemoteVariable(placement, reader)
 
 
 class _EntryReader:
-    """Implements `sharded_variable.VariableReader` for one entry of a `RemoteVariables` store."""
+    """Implements `sharded_variable.VariableReader` for one entry of a `VariableRouter` store."""
 
     def __init__(self, store, entry):
         self._store = store

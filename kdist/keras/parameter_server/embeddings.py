@@ -22,11 +22,11 @@ def enable_row_lookups(model, session, current_step):
             continue
         if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
             continue
-        entry = session.store.entry(layer.embeddings)
+        entry = session.router.entry(layer.embeddings)
         if entry is None:
             continue
         entry.row_sparse = True
-        _override_embedding_call(layer, entry, session.store, current_step)
+        _override_embedding_call(layer, entry, session.router, current_step)
 
 
 def _override_embedding_call(layer, entry, store, current_step):

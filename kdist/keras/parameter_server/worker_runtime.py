@@ -48,7 +48,7 @@ from kdist.keras.parameter_server import worker_steps as ps_training
 
 
 def _is_ps_strategy(obj):
-    return hasattr(getattr(obj, "extended", None), "remote_variables") and hasattr(obj, "scope")
+    return hasattr(getattr(obj, "extended", None), "variable_router") and hasattr(obj, "scope")
 
 
 def _layer_index(coordinator):
@@ -79,7 +79,7 @@ def _describe_layer(layer, coordinator):
     if known is not None and known[1] == "layer":
         return "sublayer", (known[0], known[2]), None
     strategy = coordinator.strategy
-    store = strategy.extended.remote_variables
+    store = strategy.extended.variable_router
     layout = []
     for weight in layer.weights:
         entry = store.entry(weight)
@@ -128,7 +128,7 @@ def _describe_variable(variable, coordinator):
     if known is not None and known[1] == "weight":
         return "model_variable", (known[0], known[2]), None
     strategy = coordinator.strategy
-    entry = strategy.extended.remote_variables.entry(variable)
+    entry = strategy.extended.variable_router.entry(variable)
     if entry is None:
         raise InvalidArgumentError(
             "A variable used in a scheduled function must be created in strategy.scope() (it then "
@@ -228,7 +228,7 @@ class KerasWorkerRuntime(WorkerRuntime):
                 f"the chief has {tuple(shape)} {dtype}: the model's config does not rebuild the same "
                 "weights. Give custom layers a get_config() that rebuilds them."
             )
-        strategy.extended.remote_variables.adopt(variable, placement, keys)
+        strategy.extended.variable_router.adopt(variable, placement, keys)
 
     def _build_model(self, spec):
         strategy = spec["strategy"]
@@ -300,7 +300,7 @@ class KerasWorkerRuntime(WorkerRuntime):
                 metric.reset_state()
         if self.strategy is None:
             return function(*args, **kwargs)
-        store = self.strategy.extended.remote_variables
+        store = self.strategy.extended.variable_router
         with self.strategy.scope(), store.idempotent_updates(closure_id):
             if not getattr(function, "kdist_reads_variables_itself", False):
                 store.pull(store.entries(_variables_of(resources)))
@@ -313,7 +313,7 @@ class KerasWorkerRuntime(WorkerRuntime):
 
     def close(self):
         if self.strategy is not None:
-            self.strategy.extended.remote_variables.close()
+            self.strategy.extended.variable_router.close()
 
 
 def _variables_of(resources):

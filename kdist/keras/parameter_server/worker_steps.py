@@ -45,7 +45,7 @@ def _current_step():
 
 def is_parameter_server(strategy):
     """True for a strategy whose variables live on parameter servers."""
-    return hasattr(strategy.extended, "remote_variables")
+    return hasattr(strategy.extended, "variable_router")
 
 
 def on_variable_created(variable, strategy):
@@ -85,24 +85,24 @@ class PSSession:
     def __init__(self, model, strategy):
         self.model = model
         self.strategy = strategy
-        self.store = strategy.extended.remote_variables
+        self.router = strategy.extended.variable_router
         self._configured = set()
 
     # ----- reads ----------------------------------------------------------------
     def entries(self):
         """Remote entries of the model's weights (none for an optimizer used without a model)."""
-        return [] if self.model is None else self.store.entries(self.model.weights)
+        return [] if self.model is None else self.router.entries(self.model.weights)
 
     def pull(self, include_row_sparse=False):
         """Reads what changed on the servers since the last read (one request per server)."""
-        self.store.pull(self.entries(), include_row_sparse=include_row_sparse)
+        self.router.pull(self.entries(), include_row_sparse=include_row_sparse)
 
     # ----- optimizer --------------------------------------------------------------
     def configure(self, optimizer, entries):
         missing = [entry for entry in entries if entry.trainable and id(entry) not in self._configured]
         if not missing or optimizer is None:
             return
-        self.store.configure_optimizer(server_optimizer_config(optimizer), missing)
+        self.router.configure_optimizer(server_optimizer_config(optimizer), missing)
         self._configured.update(id(entry) for entry in missing)
 
     def check_supported(self):
@@ -119,7 +119,7 @@ class PSSession:
         """Turns `optimizer.apply(gradients, variables)` into a server update (see module doc)."""
         tensors, targets, local = [], [], []
         for gradient, variable in zip(gradients, variables):
-            entry = self.store.entry(variable)
+            entry = self.router.entry(variable)
             if entry is None:
                 local.append((gradient, variable))
             elif entry.row_sparse:
@@ -160,15 +160,15 @@ class PSSession:
 
     def push(self, dense, rows, state_entries=()):
         """Sends a step's update, plus those of `state_entries` (non-trainable) that the step changed."""
-        assign = [entry for entry in state_entries if not entry.trainable and self.store.changed(entry)]
+        assign = [entry for entry in state_entries if not entry.trainable and self.router.changed(entry)]
         if dense or rows or assign:
-            self.store.push(dense, rows, assign)
+            self.router.push(dense, rows, assign)
 
     # ----- save -------------------------------------------------------------------
     def read_back(self):
         """Makes the local model and optimizer hold the parameter servers' current state."""
         entries = self.entries()
-        self.store.pull(entries, include_row_sparse=True, only_changed=False)
+        self.router.pull(entries, include_row_sparse=True, only_changed=False)
         optimizer = self.model.optimizer
         trainable = [entry for entry in entries if entry.trainable]
         if optimizer is None or not trainable:
@@ -177,7 +177,7 @@ class PSSession:
         self.configure(optimizer, trainable)
         if not optimizer.built:
             optimizer.build(self.model.trainable_variables)
-        states = self.store.optimizer_state(trainable)
+        states = self.router.optimizer_state(trainable)
         iterations = 0
         for entry, (entry_iterations, slots) in zip(trainable, states):
             iterations = max(iterations, entry_iterations)
@@ -259,7 +259,7 @@ def _wrap_optimizer(optimizer, session):
         # A custom training loop: push at once, then read the result back as a
         # local apply would have changed the variables.
         session.push(dense, rows)
-        session.store.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
+        session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
         slot = original_add(reference_variable, *args, **kwargs)
@@ -306,7 +306,7 @@ def _train_wrapper(function, session):
         # Once per step: which variables are remote (used by the pull and the push).
         entries = session.entries()
         if not faults.ACTIVE.skip_pull:
-            session.store.pull(entries)
+            session.router.pull(entries)
         step = _Step()
         _local.step = step
         try:
@@ -385,7 +385,7 @@ def _scoped_local_call(method, model, session, name, args, kwargs):
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
         result = method(model, *args, **kwargs)
-        session.store.assign(session.entries())
+        session.router.assign(session.entries())
         return result
     if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
         ps_embeddings.enable_row_lookups(model, session, _current_step)

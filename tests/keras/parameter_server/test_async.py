@@ -39,7 +39,7 @@ def test_three_async_workers_two_ps(tmp_path):
         model.save(path)
         stats = cluster.stats()
         clients = cluster.clients()
-        entries = strategy.extended.remote_variables.entries(model.weights)
+        entries = strategy.extended.variable_router.entries(model.weights)
         server_values = []
         for entry in entries:
             (state,) = clients[entry.placement.shards[0].ps_index].pull([entry.keys[0]])

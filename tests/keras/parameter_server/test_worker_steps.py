@@ -108,7 +108,7 @@ def test_custom_loop_apply_updates_the_servers_and_the_local_copy():
             optimizer = keras.optimizers.SGD(0.5)
         optimizer.apply([keras.ops.convert_to_tensor(np.full((3,), 2.0, "float32"))], [variable])
         np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), np.zeros(3))
-        key = strategy.extended.remote_variables.entry(variable).keys[0]
+        key = strategy.extended.variable_router.entry(variable).keys[0]
         (state,) = cluster.clients()[0].pull([key])
         np.testing.assert_allclose(state.value, np.zeros(3))
         assert state.version == 1
@@ -122,7 +122,7 @@ def test_evaluate_reads_what_other_workers_pushed():
         with strategy.scope():
             model = _models.mlp_l2()
         model.evaluate(x, y, verbose=0)
-        entry = strategy.extended.remote_variables.entry(model.weights[0])
+        entry = strategy.extended.variable_router.entry(model.weights[0])
         client = cluster.clients()[0]
         from kdist.ps import Assignment
 
@@ -190,7 +190,7 @@ def test_load_weights_writes_the_loaded_values_to_the_servers(tmp_path):
         model.load_weights(path)
         client = cluster.clients()[0]
         for variable, expected in zip(model.weights, source.weights):
-            (state,) = client.pull([strategy.extended.remote_variables.entry(variable).keys[0]])
+            (state,) = client.pull([strategy.extended.variable_router.entry(variable).keys[0]])
             np.testing.assert_array_equal(state.value, keras.ops.convert_to_numpy(expected))
 
 
@@ -201,7 +201,7 @@ def test_model_checkpoint_on_the_chief_writes_the_servers_state(tmp_path):
         model = _models.build_in_scope(_models.mlp_l2, strategy)
         path = str(tmp_path / "checkpoint.keras")
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(path)])
-        store = strategy.extended.remote_variables
+        store = strategy.extended.variable_router
         server_values = []
         for variable in model.weights:
             entry = store.entry(variable)
