@@ -29,6 +29,7 @@ import keras
 from kdist import atomic_files
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer, is_seconds
 
 logger = logging.getLogger("kdist.sidecar")
 
@@ -127,13 +128,13 @@ class SidecarEvaluator:
             raise _invalid("checkpoint_dir", checkpoint_dir, "a text path, not bytes")
         if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
             raise _invalid("checkpoint_dir", checkpoint_dir, "a directory (or where one will be made), not a file")
-        if steps is not None and not _is_positive_int(steps):
+        if steps is not None and not is_integer(steps, minimum=1):
             raise _invalid("steps", steps, "a positive int, or None to evaluate all of `data`")
-        if max_evaluations is not None and not _is_positive_int(max_evaluations):
+        if max_evaluations is not None and not is_integer(max_evaluations, minimum=1):
             raise _invalid("max_evaluations", max_evaluations, "an int >= 1, or None to run until stopped")
-        if not _is_positive_number(poll_interval):
+        if not is_seconds(poll_interval, allow_infinite=True):
             raise _invalid("poll_interval", poll_interval, "a number of seconds > 0")
-        if timeout is not None and not _is_positive_number(timeout):
+        if timeout is not None and not is_seconds(timeout, allow_infinite=True):
             raise _invalid("timeout", timeout, "a number of seconds > 0, or None to wait forever")
         self._patterns = _check_patterns(pattern)
         self._callbacks = _check_callbacks(callbacks)
@@ -295,7 +296,7 @@ class SidecarEvaluator:
             "evaluation": len(self._records) + 1,
             "time": time.time(),
         }
-        _write_json_atomically(path + EVALUATION_SUFFIX, document)
+        atomic_files.write_text(path + EVALUATION_SUFFIX, json.dumps(document, indent=2))
         self._finished[path] = identity
         self._failures.pop(path, None)
         self._records.append(dict(document, path=path))
@@ -346,10 +347,6 @@ def _is_data_function(data):
     return callable(data) and not isinstance(data, (tuple, list, keras.utils.PyDataset))
 
 
-def _write_json_atomically(path, document):
-    atomic_files.write_text(path, json.dumps(document, indent=2))
-
-
 def _to_json(value):
     if isinstance(value, numbers.Number):
         return float(value)
@@ -359,14 +356,6 @@ def _to_json(value):
 
 def _format_metric(value):
     return f"{value:.4f}" if isinstance(value, float) else str(value)
-
-
-def _is_positive_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-
-
-def _is_positive_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
 
 
 def _invalid(name, value, expected):

@@ -307,7 +307,6 @@ def _merge_sums(strategy, per_replica):
 
 
 __all__ = [
-    "FaultInjection",
     "ReplicaShare",
     "annotate_replica",
     "convert",

@@ -28,6 +28,7 @@ import numpy as np
 
 from kdist.coordinator import PerWorkerDataset
 from kdist.errors import InvalidArgumentError
+from kdist.validation import require_positive_integer
 
 ACCEPTED_FORMS = (
     "arrays (x and y as NumPy arrays or tensors, or dicts/lists of them), a dataset_fn (a "
@@ -85,7 +86,7 @@ class EpochSource:
                 f"{steps_name}=None. Pass e.g. {steps_name}=100."
             )
         self.iterator = iter(coordinator.create_per_worker_dataset(x))
-        self.steps = positive(steps_name, steps)
+        self.steps = require_positive_integer(steps_name, steps)
 
     def _init_py_dataset(self, coordinator, dataset, y, steps, steps_name):
         _no_targets(dataset, y, "a PyDataset")
@@ -96,7 +97,7 @@ class EpochSource:
                 f"{steps_name} is required for a PyDataset without num_batches (an endless one). "
                 f"Received: {steps_name}=None. Pass e.g. {steps_name}=100."
             )
-        self.steps = self.num_batches if steps is None else positive(steps_name, steps)
+        self.steps = self.num_batches if steps is None else require_positive_integer(steps_name, steps)
         self._on_chief = _overrides_on_epoch_end(dataset)
         if not self._on_chief:
             # Sent once to every worker; closures then refer to it by id.
@@ -116,9 +117,9 @@ class EpochSource:
             raise InvalidArgumentError(f"x and y must have the same number of samples. Received lengths {sorted(lengths)}.")
         self._arrays = keras.tree.map_structure(np.asarray, arrays)
         self.num_samples = lengths.pop()
-        self.batch_size = 32 if batch_size is None else positive("batch_size", batch_size)
+        self.batch_size = 32 if batch_size is None else require_positive_integer("batch_size", batch_size)
         self.num_batches = math.ceil(self.num_samples / self.batch_size)
-        self.steps = self.num_batches if steps is None else positive(steps_name, steps)
+        self.steps = self.num_batches if steps is None else require_positive_integer(steps_name, steps)
 
     def epoch_sources(self, pack):
         """(first step, steps, source) per closure of one epoch."""
@@ -172,12 +173,6 @@ def _no_targets(x, y, form):
     if y is not None:
         raise InvalidArgumentError(
             f"y must be None when x is {form} (it yields (x, y) batches). Received: y of type {type(y).__name__}.")
-
-
-def positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer. Received: {name}={value!r}.")
-    return int(value)
 
 
 def split_validation(validation_data):

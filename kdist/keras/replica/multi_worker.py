@@ -183,16 +183,6 @@ def run_on_chief(collectives, write, name):
         raise KdistError(f"The chief (rank 0) failed while running {name}; see its log for the error.")
 
 
-def atomic_write(path, write_to):
-    """Calls `write_to(temporary_path)` then renames the file onto `path`, durably (`kdist.atomic_files`).
-
-    A process killed mid-write leaves at most a stray temporary file; `path`
-    holds either the previous complete file or the new one. Remote paths
-    (`scheme://...`) are written directly.
-    """
-    return atomic_files.write_via(path, write_to)
-
-
 def collective_save(strategy, save, model, filepath, args, kwargs):
     """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait."""
     gradient_accumulation.flush(model)  # the file holds the whole job's accumulated gradients
@@ -213,7 +203,7 @@ def _make_backup_collective(callback, strategy):
     def write():
         model = callback.model
         # The class's save_weights: the instance's is the collective version.
-        save_weights = lambda path: atomic_write(path, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))  # noqa: E731
+        save_weights = lambda path: atomic_files.write_via(path, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))  # noqa: E731
         atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: _encode_random_state()})
 
     def _save_model():
