@@ -95,32 +95,68 @@ def per_replica_structure(shards):
     return nest.map_structure(lambda *leaves: PerReplica(leaves), *shards)
 
 
+def place_on_devices(devices):
+    """The torch engine's `make_element`: each shard's torch tensors moved to its replica's device.
+
+    Args:
+        devices: `kdist.distribute.devices.Device` objects, one per local replica.
+
+    Returns:
+        A function from one structure per replica to one structure of `PerReplica` leaves.
+    """
+    def make_element(shards):
+        return per_replica_structure([_place(shard, device.torch_device) for shard, device in zip(shards, devices)])
+
+    return make_element
+
+
+def call_dataset_fn(dataset_fn, input_context):
+    """`dataset_fn(input_context)`, after checking that `dataset_fn` is a function.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: `dataset_fn` is not callable.
+    """
+    if not callable(dataset_fn):
+        raise InvalidArgumentError(
+            f"Expected a function taking an InputContext. Received: dataset_fn="
+            f"{dataset_fn!r}."
+        )
+    return dataset_fn(input_context)
+
+
 class DistributedDataset:
     """Splits each global batch of `dataset` across the replicas.
 
     Iterating yields structures whose leaves are `PerReplica` shards, ready for
     `strategy.run(fn, args=(element,))`. Created by
-    `Strategy.experimental_distribute_dataset`.
+    `Strategy.experimental_distribute_dataset`. The split is kdist's rule
+    (`kdist.distribute.batching`) on every backend; what differs is how the
+    shards become an element, `make_element`.
+
+    Args:
+        dataset: an iterable of global batches.
+        devices: this process's replica devices, in replica order.
+        first_replica: `replica_id_in_sync_group` of the first of them.
+        num_replicas_in_sync: replicas in every process (default: `len(devices)`).
+        make_element: turns this process's shards (one structure per local
+            replica) into the element; default `place_on_devices(devices)`.
     """
 
-    def __init__(self, dataset, devices, first_replica=0, num_replicas_in_sync=None):
+    def __init__(self, dataset, devices, first_replica=0, num_replicas_in_sync=None, make_element=None):
         _check_iterable(dataset, "dataset")
         self._dataset = dataset
-        self._devices = devices
+        self._num_local_replicas = len(devices)
         # In a multi-worker job every process reads the same global batches and
         # keeps the shards of its own replicas.
         self._first_replica = first_replica
         self._num_replicas_in_sync = num_replicas_in_sync or len(devices)
+        self._make_element = make_element or place_on_devices(devices)
 
     def __iter__(self):
-        first, count = self._first_replica, len(self._devices)
+        first, count = self._first_replica, self._num_local_replicas
         for batch in self._dataset:
             shards = split_batch(batch, self._num_replicas_in_sync)[first : first + count]
-            placed = [
-                _place(shard, device.torch_device)
-                for (shard, _), device in zip(shards, self._devices)
-            ]
-            yield per_replica_structure(placed)
+            yield self._make_element([shard for shard, _ in shards])
 
 
 class DistributedDatasetFromFunction:
@@ -130,25 +166,27 @@ class DistributedDatasetFromFunction:
     `distribute_datasets_from_function` contract describes: the dataset must
     already be batched with the per-replica batch size. A final step with fewer
     elements than replicas is dropped, because a replica would have no batch.
+
+    Args:
+        dataset_fn: called once, here, with `input_context`.
+        input_context: this process's `InputContext`.
+        devices: this process's replica devices, in replica order.
+        make_element: as for `DistributedDataset`.
     """
 
-    def __init__(self, dataset_fn, input_context, devices):
-        if not callable(dataset_fn):
-            raise InvalidArgumentError(
-                f"Expected a function taking an InputContext. Received: dataset_fn="
-                f"{dataset_fn!r}."
-            )
-        self._dataset = dataset_fn(input_context)
+    def __init__(self, dataset_fn, input_context, devices, make_element=None):
+        self._dataset = call_dataset_fn(dataset_fn, input_context)
         _check_iterable(self._dataset, "the dataset returned by dataset_fn")
-        self._devices = devices
+        self._num_local_replicas = len(devices)
+        self._make_element = make_element or place_on_devices(devices)
 
     def __iter__(self):
         iterator = iter(self._dataset)
         while True:
-            shards = []
-            for device in self._devices:
+            elements = []
+            for _ in range(self._num_local_replicas):
                 try:
-                    shards.append(_place(next(iterator), device.torch_device))
+                    elements.append(next(iterator))
                 except StopIteration:
                     return
-            yield per_replica_structure(shards)
+            yield self._make_element(elements)

@@ -4,6 +4,13 @@ is in `kdist.distribute.extended`.
 A strategy owns a list of replica devices. Everything in this module works for
 any such list; `MirroredStrategy` and the default strategy differ only in their
 devices and in how `model.fit` runs (see `kdist.keras`).
+
+`Strategy` is also the base of the TensorFlow and JAX strategies
+(`kdist.backends.common.BackendStrategy`): the API, its argument handling,
+the contexts and the distributed input are written once, here; the engine's
+primitives (the `# ----- the engine's primitives` section) are the torch
+engine's, and a backend overrides each of them. This module never imports
+`kdist.backends`.
 """
 
 from kdist.distribute import context, nest
@@ -14,7 +21,7 @@ from kdist.distribute.input import (
     InputContext,
     ValueContext,
 )
-from kdist.distribute.values import DistributedValues, PerReplica, local_results
+from kdist.distribute.values import DistributedValues, PerReplica, local_results, select_replica
 from kdist.types import ReduceOp
 
 
@@ -77,8 +84,14 @@ class Strategy:
     compile models inside `scope()`, and call `model.fit` as usual; or write a
     custom loop with `run` and `reduce`.
 
+    The same class is the base of the strategies on every Keras backend: an
+    engine other than torch's overrides the primitives at the end of the class
+    (`_call_for_each_replica`, `_reduce_leaf`, `_gather_leaf`,
+    `_local_results`, `_input_placement`, `_distributed_values`).
+
     Args:
-        extended: the `StrategyExtended` implementation.
+        extended: the `StrategyExtended` implementation (on TensorFlow and JAX,
+            `kdist.backends.common.BackendExtended`).
     """
 
     def __init__(self, extended):
@@ -135,7 +148,7 @@ class Strategy:
         ```
         """
         del options
-        return self._extended.call_for_each_replica(fn, args, kwargs)
+        return self._call_for_each_replica(fn, args, kwargs)
 
     def reduce(self, reduce_op, value, axis):
         """Reduces `value` across replicas (and along `axis`) to a host tensor.
@@ -154,7 +167,14 @@ class Strategy:
             axis: the dimension to reduce within each component, or None.
 
         Returns:
-            A torch tensor on the host (or a structure of them).
+            A tensor on the host (or a structure of them): a torch tensor on
+            torch, the backend's tensor type on TensorFlow and JAX.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: an unknown `reduce_op`, or a
+                plain value summed across several replicas (it would count
+                once per replica).
+            kdist.errors.StrategyScopeError: called from a replica function.
 
         Example:
 
@@ -164,24 +184,9 @@ class Strategy:
         ```
         """
         reduce_op = ReduceOp.from_value(reduce_op)
-        self._extended._require_cross_replica("reduce")
+        context.require_cross_replica("reduce")
         with self.scope():
             return nest.map_structure(lambda leaf: self._reduce_leaf(reduce_op, leaf, axis), value)
-
-    def _reduce_leaf(self, reduce_op, value, axis):
-        if axis is None:
-            return self._extended.reduce_to(reduce_op, value, HOST_DEVICE)
-        components = self._extended._components(ReduceOp.MEAN, value)
-        if not isinstance(value, DistributedValues):
-            components = components * len(self._extended.replica_devices)
-        total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
-        count = sum(to_tensor(c).shape[axis] for c in components)
-        total, count = self._extended._sum_over_processes(total, count)
-        if reduce_op is ReduceOp.SUM:
-            return total
-        # True division, as TensorFlow's `truediv`: the mean of integer values
-        # (e.g. per-example correct/incorrect flags) must not truncate to 0.
-        return total / count
 
     def gather(self, value, axis):
         """Concatenates every replica's component of `value` along `axis` on the host.
@@ -196,11 +201,9 @@ class Strategy:
         strategy.gather(values, axis=0)   # [[1], [2], [1], [2]] with 2 replicas
         ```
         """
-        self._extended._require_cross_replica("gather")
+        context.require_cross_replica("gather")
         with self.scope():
-            return nest.map_structure(
-                lambda leaf: self._extended.gather_to(leaf, axis, HOST_DEVICE), value
-            )
+            return nest.map_structure(lambda leaf: self._gather_leaf(leaf, axis), value)
 
     def experimental_local_results(self, value):
         """Returns the components of `value` held by this process, as a tuple.
@@ -208,11 +211,7 @@ class Strategy:
         A plain value gives `(value,)`. A structure of distributed values gives
         one structure per replica.
         """
-        if isinstance(value, DistributedValues) or not nest.is_nested(value):
-            return local_results(value)
-        from kdist.distribute.values import select_replica
-
-        return tuple(select_replica(k, value) for k in range(len(self._extended.replica_devices)))
+        return tuple(self._local_results(value))
 
     def unwrap(self, value):
         """TF1 spelling of `experimental_local_results`, returning a list."""
@@ -232,11 +231,13 @@ class Strategy:
             A `DistributedDataset`; iterate it and pass elements to `run`.
         """
         del options
+        devices, make_element = self._input_placement()
         return DistributedDataset(
             dataset,
-            self._extended.replica_devices,
+            devices,
             first_replica=self._extended.first_replica_id,
             num_replicas_in_sync=self.num_replicas_in_sync,
+            make_element=make_element,
         )
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -244,15 +245,23 @@ class Strategy:
 
         Each step takes one element per replica from the returned dataset. The
         function must batch with `ctx.get_per_replica_batch_size(global_batch)`.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: `dataset_fn` is not a function,
+                or what it returned is not iterable.
         """
         del options
-        input_context = InputContext(
+        devices, make_element = self._input_placement()
+        return DistributedDatasetFromFunction(
+            dataset_fn, self._input_context(), devices, make_element=make_element
+        )
+
+    def _input_context(self):
+        """The `InputContext` of this process's input pipeline."""
+        return InputContext(
             num_input_pipelines=self._extended.num_input_pipelines,
             input_pipeline_id=self._extended.input_pipeline_id,
             num_replicas_in_sync=self.num_replicas_in_sync,
-        )
-        return DistributedDatasetFromFunction(
-            dataset_fn, input_context, self._extended.replica_devices
         )
 
     def experimental_distribute_values_from_function(self, value_fn):
@@ -266,13 +275,55 @@ class Strategy:
         strategy.experimental_local_results(values)   # (3.0, 2.0) with 2 replicas
         ```
         """
-        num_local = len(self._extended.replica_devices)
         first = self._extended.first_replica_id
         values = []
-        for replica_id in range(num_local):
+        for replica_id in range(len(self._extended.worker_devices)):
             with self._extended.replica_device_scope(replica_id):
                 values.append(value_fn(ValueContext(first + replica_id, self.num_replicas_in_sync)))
-        return values[0] if num_local == 1 else PerReplica(values)
+        return self._distributed_values(values)
 
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"
+
+    # ----- the engine's primitives ----------------------------------------------
+    # The torch engine's; `kdist.backends.common.BackendStrategy` overrides every one.
+    def _call_for_each_replica(self, fn, args, kwargs):
+        """`run` after its argument handling: checks the context, then runs `fn` per replica."""
+        return self._extended.call_for_each_replica(fn, args, kwargs)
+
+    def _reduce_leaf(self, reduce_op, value, axis):
+        """`reduce` of one leaf, in the cross-replica context and this strategy's scope."""
+        if axis is None:
+            return self._extended.reduce_to(reduce_op, value, HOST_DEVICE)
+        components = self._extended._components(ReduceOp.MEAN, value)
+        if not isinstance(value, DistributedValues):
+            components = components * len(self._extended.replica_devices)
+        total = sum(to_tensor(c).to(HOST_DEVICE).sum(dim=axis) for c in components)
+        count = sum(to_tensor(c).shape[axis] for c in components)
+        total, count = self._extended._sum_over_processes(total, count)
+        if reduce_op is ReduceOp.SUM:
+            return total
+        # True division, as TensorFlow's `truediv`: the mean of integer values
+        # (e.g. per-example correct/incorrect flags) must not truncate to 0.
+        return total / count
+
+    def _gather_leaf(self, value, axis):
+        """`gather` of one leaf, in the cross-replica context and this strategy's scope."""
+        return self._extended.gather_to(value, axis, HOST_DEVICE)
+
+    def _local_results(self, value):
+        """This process's components of `value`, one per local replica (a plain value: itself once)."""
+        if isinstance(value, DistributedValues) or not nest.is_nested(value):
+            return local_results(value)
+        return tuple(select_replica(k, value) for k in range(len(self._extended.replica_devices)))
+
+    def _input_placement(self):
+        """`(devices, make_element)` for the distributed datasets (see `kdist.distribute.input`).
+
+        `make_element` None: shards' torch tensors are moved to their replica's device.
+        """
+        return self._extended.replica_devices, None
+
+    def _distributed_values(self, values):
+        """The distributed value of one `value_fn` result per local replica."""
+        return values[0] if len(values) == 1 else PerReplica(values)
