@@ -168,7 +168,7 @@ class MirroredStrategy(BackendStrategy):
         """The `keras.distribution.DataParallel` this strategy drives."""
         return self._extended.native
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _backend_run(self, fn, args, kwargs):
         check_num_components((args, kwargs), len(self._devices), "args/kwargs")
         variables = [variable for model in list(self._models) for variable in model.variables]
         results = []
@@ -198,7 +198,7 @@ class MirroredStrategy(BackendStrategy):
             components = components * len(self._devices)
         return components
 
-    def _reduce_leaf(self, reduce_op, value, axis):
+    def _backend_reduce(self, reduce_op, value, axis):
         components = self._components(value)
         if axis is None:
             if reduce_op is ReduceOp.MEAN and not self._is_distributed(value):

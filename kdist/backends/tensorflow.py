@@ -23,11 +23,11 @@ import tensorflow as tf
 
 from kdist._backend import STRATEGY_BACKENDS
 from kdist.backends.common import BackendExtended, BackendReplicaContext, BackendStrategy
-from kdist.backends.common import PerReplicaElements, SplitDataset
 from kdist.cluster import TorchrunClusterResolver, resolve_cluster
 from kdist.collectives import CommunicationOptions, Compression, CrossDeviceOps, ReductionToOneDevice
 from kdist.distribute import context
 from kdist.distribute.devices import resolve_devices
+from kdist.distribute.input import call_dataset_fn
 from kdist.errors import BackendError, InvalidArgumentError, InvalidDeviceError, UnsupportedError
 from kdist.types import ReduceOp
 
@@ -148,7 +148,7 @@ class _ReplicaContext(BackendReplicaContext):
 class _TensorFlowStrategy(BackendStrategy):
     """The kdist API over one `tf.distribute` strategy (see the module docstring)."""
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _backend_run(self, fn, args, kwargs):
         strategy = self
 
         def replica_fn(*replica_args, **replica_kwargs):
@@ -163,7 +163,7 @@ class _TensorFlowStrategy(BackendStrategy):
     def _is_distributed(self, value):
         return isinstance(value, tf.distribute.DistributedValues)
 
-    def _reduce_leaf(self, reduce_op, value, axis):
+    def _backend_reduce(self, reduce_op, value, axis):
         if reduce_op is ReduceOp.MEAN:
             # TensorFlow divides integers by the count with integer division;
             # a mean of per-example 0/1 flags must not truncate to 0.
@@ -189,14 +189,15 @@ class _TensorFlowStrategy(BackendStrategy):
         """A `tf.data.Dataset` goes to TensorFlow's input pipeline; other iterables are split by kdist's rule."""
         if isinstance(dataset, tf.data.Dataset):
             return self._extended.native.experimental_distribute_dataset(dataset, options)
-        return SplitDataset(self, dataset)
+        return super().experimental_distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """`dataset_fn(InputContext)`; a `tf.data.Dataset` result goes to TensorFlow's input pipeline."""
-        dataset = self._call_dataset_fn(dataset_fn)
+        dataset = call_dataset_fn(dataset_fn, self._input_context())
         if isinstance(dataset, tf.data.Dataset):
             return self._extended.native.distribute_datasets_from_function(lambda _: dataset, options)
-        return PerReplicaElements(self, dataset)
+        # `dataset_fn` runs once: kdist's input takes the dataset it already returned.
+        return super().distribute_datasets_from_function(lambda _: dataset, options)
 
 
 def _to_tensor(value):

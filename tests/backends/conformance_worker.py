@@ -58,6 +58,20 @@ def expect_error(error_type, function, *words):
     raise AssertionError(f"expected {error_type.__name__}")
 
 
+# ----- the class -------------------------------------------------------------------
+@check
+def the_strategy_is_a_kdist_strategy():
+    # One base on every backend: kdist.Strategy, whose API and argument handling
+    # the TensorFlow and JAX strategies inherit.
+    assert isinstance(STRATEGY, kdist.Strategy), type(STRATEGY).__mro__
+    assert isinstance(kdist.get_strategy(), kdist.Strategy)
+    assert repr(STRATEGY) == "MirroredStrategy(devices=['cpu:0', 'cpu:1'])", repr(STRATEGY)
+    expect_error(kdist.errors.InvalidArgumentError,
+                 lambda: STRATEGY.distribute_datasets_from_function([1, 2]), "dataset_fn=")
+    expect_error(kdist.errors.InvalidArgumentError,
+                 lambda: STRATEGY.experimental_distribute_dataset(5), "Received: dataset of type int")
+
+
 # ----- contexts --------------------------------------------------------------------
 @check
 def default_context_outside_any_scope():
