@@ -33,12 +33,11 @@ per_replica_losses = strategy.run(train_step, args=(x_shards, y_shards))
 ```
 """
 
-import numbers
-
 import keras
 
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
+from kdist.validation import invalid, is_integer
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
@@ -152,11 +151,8 @@ def _check_batch_size(global_batch_size):
     value = global_batch_size
     if hasattr(value, "shape") and len(value.shape) == 0 and "int" in str(value.dtype):
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise InvalidArgumentError(
-            "global_batch_size must be a non-negative integer (a scalar). Received: "
-            f"global_batch_size={global_batch_size!r}."
-        )
+    if not is_integer(value, minimum=0):
+        raise invalid("global_batch_size", global_batch_size, "a non-negative integer (a scalar)")
 
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]

@@ -1,10 +1,10 @@
 """`CommunicationOptions`: how the processes of a synchronous job talk to each other."""
 
 import dataclasses
-import math
 
 from kdist.collectives.compression import Compression, Compressor
 from kdist.errors import InvalidArgumentError
+from kdist.validation import require_integer, require_seconds
 
 # Long enough for a slow first step (lazy builds, data loading, a checkpoint
 # written by the chief while the others wait at the barrier), short enough that
@@ -61,18 +61,9 @@ class CommunicationOptions:
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
 
     def __post_init__(self):
-        timeout = self.timeout_seconds
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
-            raise InvalidArgumentError(
-                f"timeout_seconds must be a positive, finite number of seconds. Received: "
-                f"timeout_seconds={timeout!r}."
-            )
+        require_seconds("timeout_seconds", self.timeout_seconds)
         for name in ("bucket_bytes", "first_bucket_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1024:
-                raise InvalidArgumentError(
-                    f"{name} must be an integer of at least 1024. Received: {name}={value!r}."
-                )
+            require_integer(name, getattr(self, name), minimum=1024, expected="an integer of at least 1024")
         if self.backend not in (None, "gloo", "nccl"):
             raise InvalidArgumentError(
                 f"Unknown backend. Received: backend={self.backend!r}. Expected 'gloo', "
