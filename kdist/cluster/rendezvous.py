@@ -8,7 +8,8 @@ TCPStore at rank 0's address.
 
 import dataclasses
 
-from kdist.cluster.spec import field_item, split_address
+from kdist.cluster.address import MAX_PORT, split_address
+from kdist.cluster.spec import field_item
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType
 
@@ -74,7 +75,7 @@ class Rendezvous:
                 "local_rank",
                 f"less than local_world_size={self.local_world_size}",
             ),
-            (self.master_port <= 65535, "master_port", "at most 65535"),
+            (self.master_port <= MAX_PORT, "master_port", f"at most {MAX_PORT}"),
             (
                 self.master_port != 0 or self.world_size == 1,
                 "master_port",

@@ -7,19 +7,16 @@ address is a string, normally `"host:port"`.
 `ClusterSpec` itself only requires non-empty, unique address strings, because
 some launchers (torchrun) do not tell a process where the other tasks listen
 and the resolver fills in pseudo-addresses. Code that needs a real endpoint
-calls `parse_address`.
+calls `kdist.cluster.address.parse_address`.
 """
 
-import ipaddress
 import json
 import re
 from collections.abc import Mapping
 
 from kdist.errors import InvalidArgumentError
 
-_PORT_PATTERN = re.compile(r"[0-9]+")
 _INDEX_PATTERN = re.compile(r"[0-9]+")
-_MAX_PORT = 65535
 
 
 def field_item(field_name, key):
@@ -30,106 +27,6 @@ def field_item(field_name, key):
     """
     key_text = json.dumps(key) if isinstance(key, str) else repr(key)
     return f"{field_name}[{key_text}]"
-
-
-def split_address(address, field_name="address", allow_port_zero=False):
-    """Like `parse_address`, optionally accepting port 0 ("any free port")."""
-    expected = (
-        "Expected 'host:port' with a port in 1..65535, e.g. 'worker0.example.com:2222'; "
-        "write IPv6 hosts in brackets, e.g. '[::1]:2222'."
-    )
-    if not isinstance(address, str) or not address:
-        raise InvalidArgumentError(
-            f"A task address must be a non-empty string. "
-            f"Received: {field_name}={address!r}. {expected}"
-        )
-    if "://" in address:
-        raise InvalidArgumentError(
-            f"A cluster address takes no scheme; the protocol is the resolver's rpc_layer. "
-            f"Received: {field_name}={address!r}. {expected}"
-        )
-    if address.startswith("["):
-        host, bracket, rest = address[1:].partition("]")
-        if not bracket or not rest.startswith(":"):
-            raise InvalidArgumentError(
-                f"Malformed bracketed IPv6 address. Received: {field_name}={address!r}. "
-                f"{expected}"
-            )
-        port_text = rest[1:]
-    else:
-        host, colon, port_text = address.rpartition(":")
-        if not colon:
-            raise InvalidArgumentError(
-                f"The task address has no port. Received: {field_name}={address!r}. "
-                f"{expected}"
-            )
-        if ":" in host:
-            raise InvalidArgumentError(
-                f"An IPv6 host must be written in brackets. "
-                f"Received: {field_name}={address!r}. {expected}"
-            )
-    if not host or any(character.isspace() or character in "/@" for character in host):
-        raise InvalidArgumentError(
-            f"The task address has an empty or malformed host. "
-            f"Received: {field_name}={address!r}. {expected}"
-        )
-    if not _PORT_PATTERN.fullmatch(port_text):
-        raise InvalidArgumentError(
-            f"The port of a task address is not an integer. "
-            f"Received: {field_name}={address!r}. {expected}"
-        )
-    port = int(port_text)
-    lowest_port = 0 if allow_port_zero else 1
-    if not lowest_port <= port <= _MAX_PORT:
-        raise InvalidArgumentError(
-            f"The port of a task address is out of range. "
-            f"Received: {field_name}={address!r}. {expected}"
-        )
-    return host, port
-
-
-def parse_address(address, field_name="address"):
-    """Splits a `"host:port"` task address into its host and port.
-
-    Args:
-        address: the address, e.g. `"worker0.example.com:2222"`, `"10.0.0.3:2222"`
-            or, for IPv6, `"[::1]:2222"`.
-        field_name: how error messages name the value, e.g.
-            `'TF_CONFIG["cluster"]["worker"][1]'`.
-
-    Returns:
-        A tuple `(host, port)`: the host as a string (IPv6 hosts without their
-        brackets, as `MASTER_ADDR` expects them) and the port as an int in
-        1..65535.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: `address` is not a string, has no
-            port, a port that is not an integer or is out of range, an empty
-            host, or an unbracketed IPv6 host.
-
-    Example:
-
-    >>> parse_address("worker0.example.com:2222")
-    ('worker0.example.com', 2222)
-    >>> parse_address("[::1]:2222")
-    ('::1', 2222)
-    """
-    return split_address(address, field_name)
-
-
-def is_loopback(host):
-    """True for `localhost` and loopback IP addresses (IPv6 with or without brackets)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def format_address(host, port):
-    """Joins a host and port into an address, bracketing IPv6 hosts."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def normalize_cluster(cluster, field_name="cluster"):
@@ -235,7 +132,7 @@ class ClusterSpec:
         kdist.errors.InvalidArgumentError: a job name is not a non-empty
             string, an address is not a non-empty string, or two tasks share an
             address. The `"host:port"` form is not checked here (see
-            `parse_address`).
+            `kdist.cluster.address.parse_address`).
 
     Example:
 

@@ -22,7 +22,8 @@ from kdist.cluster.resolvers import (
     format_master_url,
     validate_task,
 )
-from kdist.cluster.spec import ClusterSpec, field_item, normalize_cluster, parse_address
+from kdist.cluster.address import parse_address
+from kdist.cluster.spec import ClusterSpec, field_item, normalize_cluster
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType
 

@@ -12,7 +12,8 @@ import re
 
 from kdist.cluster.resolvers import ClusterResolver, format_master_url
 from kdist.cluster.rendezvous import Rendezvous
-from kdist.cluster.spec import ClusterSpec, format_address
+from kdist.cluster.address import MAX_PORT, format_address
+from kdist.cluster.spec import ClusterSpec
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType
 
@@ -97,7 +98,7 @@ class TorchrunClusterResolver(ClusterResolver):
             )
         else:
             local_rank = rank % local_world_size
-        master_port = _integer(environ, "MASTER_PORT", 1, 65535, "a port in 1..65535")
+        master_port = _integer(environ, "MASTER_PORT", 1, MAX_PORT, f"a port in 1..{MAX_PORT}")
         master_addr = environ["MASTER_ADDR"].strip()
         if not master_addr or any(character.isspace() for character in master_addr):
             raise InvalidArgumentError(

@@ -59,16 +59,15 @@ class Dispatcher:
         # try to reconnect as often, not after gRPC's default backoff of up to
         # 120 s, or a restarted worker waits that long for work.
         reconnect_ms = max(100, int(coordinator._worker_retry_seconds * 1000))
+        # `Security.channel` turns channel retries off: with them a call whose server
+        # died could block past its deadline (a lost worker's closure is retried
+        # elsewhere anyway).
         options = grpc_options() + [
-            ("grpc.enable_http_proxy", 0),
-            # No channel retries: with them a call whose server died could block
-            # past its deadline (a lost worker's closure is retried elsewhere anyway).
-            ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
             ("grpc.max_reconnect_backoff_ms", reconnect_ms),
         ]
         # Proves the cluster secret and checks the worker's proof (kdist.ps.auth).
-        self._channel = security.open_channel(address, options)
+        self._channel = security.channel(address, options)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
         self._metadata = ()
         self.instance_id = None

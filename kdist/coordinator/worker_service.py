@@ -32,6 +32,7 @@ import uuid
 import cloudpickle
 import grpc
 
+from kdist.cluster.address import bind_endpoint, format_address
 from kdist.coordinator import payload
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
@@ -267,7 +268,7 @@ class WorkerServer:
         self._server = server
         self.servicer = servicer
         self.port = port
-        self.address = f"{host}:{port}"
+        self.address = format_address(host, port)
 
     def stop(self, grace=None):
         self._server.stop(grace).wait()
@@ -294,10 +295,8 @@ def create_worker_server(address, cluster_spec, task_index, *, security=None):
     Raises:
         kdist.errors.InvalidArgumentError: the address cannot be bound.
     """
-    from kdist.ps.server import _bind_host
-
     security = Security() if security is None else security
-    host = _bind_host(address)
+    host, _ = bind_endpoint(address)
     servicer = WorkerServicer(cluster_spec, task_index, security)
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kdist-worker-rpc"),
@@ -305,13 +304,7 @@ def create_worker_server(address, cluster_spec, task_index, *, security=None):
         options=grpc_options() + [("grpc.so_reuseport", 0)],
     )
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    credentials = security.server_credentials()
-    try:
-        port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
-    except RuntimeError as error:
-        raise InvalidArgumentError(f"Cannot bind the worker service to {address!r}: {error}.") from None
-    if not port:
-        raise InvalidArgumentError(f"Cannot bind the worker service to {address!r}. Use a free port (0 picks one).")
+    port = security.bind(server, address, "worker service")
     server.start()
     security.check_exposure("worker", host, port)
     return WorkerServer(server, servicer, host, port)

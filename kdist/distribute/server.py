@@ -31,22 +31,25 @@ a `grpc://` session target), and a server binds the loopback interface unless
 
 import threading
 
-from kdist.cluster.spec import format_address, split_address
-from kdist.distribute.server_arguments import (
+from kdist.cluster.address import (
     DEFAULT_BIND_HOST,
+    bind_endpoint,
+    connect_host,
+    format_address,
+    resolve_bind_address,
+)
+from kdist.distribute.server_arguments import (
     _as_cluster_spec,
     _check_options,
     _check_security,
     _check_task,
     check_config,
     check_protocol,
-    resolve_bind_address,
 )
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.types import TaskType
+from kdist.validation import is_seconds
 
-# Hosts that mean "every interface"; a client on this host reaches them through loopback.
-_WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 _SERVED_JOBS = (TaskType.PS.value, TaskType.WORKER.value)
 # Every started, not yet stopped `Server` of this process. Holding them here is
 # what keeps a server serving after its program dropped the object (gRPC stops
@@ -114,11 +117,7 @@ class Server:
         self._cluster_spec = _as_cluster_spec(cluster_spec)
         self._job_name, self._task_index = _check_task(self._cluster_spec, job_name, task_index)
         task_address = self._cluster_spec.task_address(job_name, task_index)
-        _, task_port = split_address(
-            task_address,
-            f'cluster_spec["{job_name}"][{task_index}]',
-            allow_port_zero=True,
-        )
+        _, task_port = bind_endpoint(task_address, f'cluster_spec["{job_name}"][{task_index}]')
         if job_name not in _SERVED_JOBS:
             raise UnsupportedError(
                 f"kdist.distribute.Server serves 'ps' and 'worker' tasks. Received: "
@@ -175,7 +174,7 @@ class Server:
     def bind_address(self):
         """The `"host:port"` the server listens on (port 0 until started, if so configured)."""
         if self._server is not None:
-            host, _ = split_address(self._bind_address, "bind_address", allow_port_zero=True)
+            host, _ = bind_endpoint(self._bind_address, "bind_address")
             return format_address(host, self.port)
         return self._bind_address
 
@@ -184,7 +183,7 @@ class Server:
         """The port the server listens on: the bound port once started."""
         if self._server is not None:
             return self._server.port
-        return split_address(self._bind_address, "bind_address", allow_port_zero=True)[1]
+        return bind_endpoint(self._bind_address, "bind_address")[1]
 
     @property
     def target(self):
@@ -192,8 +191,8 @@ class Server:
 
         The bind host, or loopback when the server listens on every interface.
         """
-        host, _ = split_address(self._bind_address, "bind_address", allow_port_zero=True)
-        return format_address(_WILDCARD_HOSTS.get(host, host), self.port)
+        host, _ = bind_endpoint(self._bind_address, "bind_address")
+        return format_address(connect_host(host), self.port)
 
     @property
     def protocol(self):
@@ -257,7 +256,7 @@ class Server:
                 "join() waits for a serving Server to stop, but this one was never started. "
                 "Received: Server(..., start=False) without start(). Expected start() first."
             )
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+        if timeout is not None and not is_seconds(timeout, allow_zero=True, allow_infinite=True):
             raise InvalidArgumentError(
                 f"timeout must be None or a number of seconds >= 0. Received: timeout={timeout!r}."
             )

@@ -9,62 +9,11 @@ from collections.abc import Mapping
 
 from kdist.cluster import ClusterResolver, ClusterSpec
 from kdist.cluster.resolvers import check_task_types
-from kdist.cluster.spec import format_address, split_address
 from kdist.errors import InvalidArgumentError, UnsupportedError
 
-# Where a server listens unless told otherwise: reachable from this host only,
-# so a cluster is never exposed to the network by accident.
-DEFAULT_BIND_HOST = "127.0.0.1"
 # The one wire protocol kdist serves (TensorFlow's default too); TensorFlow's
 # other values ("grpc+verbs", "grpc+gdr", ...) name transports kdist lacks.
 SUPPORTED_PROTOCOLS = ("grpc",)
-
-
-def resolve_bind_address(bind_address, task_port):
-    """Returns the `"host:port"` to listen on.
-
-    Args:
-        bind_address: None (loopback), a host (`"0.0.0.0"`, `"::"`,
-            `"[::]"`, `"10.0.0.2"`), or `"host:port"` (`"0.0.0.0:2222"`,
-            `"[::]:2222"`).
-        task_port: the task's port in the cluster, used when `bind_address`
-            has none.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: `bind_address` is not a string of
-            one of those forms.
-
-    Example:
-
-    >>> resolve_bind_address(None, 2222), resolve_bind_address("::", 2222)
-    ('127.0.0.1:2222', '[::]:2222')
-    """
-    if bind_address is None:
-        return format_address(DEFAULT_BIND_HOST, task_port)
-    expected = (
-        "Expected a host such as '0.0.0.0' (the task's port is used) or 'host:port' such as "
-        "'0.0.0.0:2222'; IPv6 as '::' or '[::]:2222'."
-    )
-    if not isinstance(bind_address, str) or not bind_address.strip():
-        raise InvalidArgumentError(
-            f"bind_address must be a non-empty string. Received: bind_address={bind_address!r}. "
-            f"{expected}"
-        )
-    if bind_address.startswith("[") and bind_address.endswith("]"):
-        host = bind_address[1:-1]
-    elif bind_address.count(":") > 1 and not bind_address.startswith("["):
-        host = bind_address  # A bare IPv6 address: no port.
-    elif ":" in bind_address:
-        host, port = split_address(bind_address, "bind_address", allow_port_zero=True)
-        return format_address(host, port)
-    else:
-        host = bind_address
-    if not host or any(character.isspace() or character in "/@[]" for character in host):
-        raise InvalidArgumentError(
-            f"bind_address has a malformed host. Received: bind_address={bind_address!r}. "
-            f"{expected}"
-        )
-    return format_address(host, task_port)
 
 
 def _as_cluster_spec(cluster_spec):

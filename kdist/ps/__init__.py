@@ -30,12 +30,17 @@ client.push([DenseGradient("w", np.ones(3, "float32"), version=state.version)])
 [state] = client.pull(["w"])      # value [-0.1, -0.1, -0.1], version 1
 client.close(); server.stop()
 ```
+
+`import kdist.ps` does not load gRPC: the client and the server (which need
+it) are imported on first use of `VariableClient`, `VariableServer` or
+`create_server`, so a program that only configures a strategy (`Security`,
+`ServiceOptions`, the value types) never pays for it.
 """
 
-from kdist.ps.client import VariableClient
+import importlib
+
 from kdist.ps.options import ServiceOptions
 from kdist.ps.security import Security
-from kdist.ps.server import VariableServer, create_server
 from kdist.ps.values import (
     Assignment,
     DenseGradient,
@@ -66,3 +71,23 @@ __all__ = [
     "VariableStats",
     "create_server",
 ]
+
+# Public names whose modules import gRPC: loaded on first access (PEP 562).
+_LAZY = {
+    "VariableClient": "kdist.ps.client",
+    "VariableServer": "kdist.ps.server",
+    "create_server": "kdist.ps.server",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kdist.ps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -2,7 +2,7 @@
 
 import threading
 
-from kdist.cluster.spec import parse_address
+from kdist.cluster.address import parse_address
 from kdist.ps import client_retry, codec
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.client_payload import assignment_payload, gradient_payload, ids_array, variables_layout
@@ -21,8 +21,6 @@ from kdist.ps.values import (
     check_update_id,
 )
 
-# gRPC's own retries are off; the client retries itself (`kdist.ps.client_retry`).
-_CHANNEL_OPTIONS = [("grpc.enable_retries", 0)]
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
 
@@ -63,10 +61,6 @@ class VariableClient:
         self.options = ServiceOptions() if options is None else options
         security = Security() if security is None else security
         channel_options = self.options.grpc_options() + [
-            *_CHANNEL_OPTIONS,
-            # Loopback and cluster addresses must not go through an HTTP proxy
-            # that happens to be set in the environment.
-            ("grpc.enable_http_proxy", 0),
             # A restarted parameter server is reconnected to within a second,
             # inside the retry policy's window, instead of gRPC's default 1-120 s.
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
@@ -74,7 +68,7 @@ class VariableClient:
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]
         # Proves the cluster secret and checks the server's proof (kdist.ps.auth).
-        self._channel = security.open_channel(address, channel_options)
+        self._channel = security.channel(address, channel_options)
         self._metadata = ()
         self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}
         self._connected = False  # set by the first call that succeeds

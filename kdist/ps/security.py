@@ -21,15 +21,18 @@ Two protections:
   client speaks TLS when it has a `ca_file`. Without TLS, an observer on the
   network can read the traffic (but not learn the secret or pose as a server):
   use TLS across networks you do not trust.
+
+Every kdist channel and every bound server port is made here (`channel`,
+`bind`), so the credentials, the secret's interceptors and the options all
+kdist channels share are set in one place. gRPC is imported only when one is
+made: a `Security` can be built and checked without loading it.
 """
 
 import dataclasses
 import logging
 import os
 
-import grpc
-
-from kdist.cluster.spec import is_loopback
+from kdist.cluster.address import is_loopback
 from kdist.errors import InvalidArgumentError
 from kdist.ps.secret import (  # noqa: F401  (load_token: public here too)
     MAX_FILE_BYTES,
@@ -54,6 +57,10 @@ _UNAUTHENTICATED_DETAIL = (
     f"secret) or {SECRET_ENV} on every task, or pass Security(token=...) to both ends "
     "(docs/parameter_server.md, Security)"
 )
+# Options of every channel kdist opens: loopback and cluster addresses must not
+# go through an HTTP proxy that happens to be set in the environment, and gRPC's
+# own retries are off (kdist's callers retry themselves, under their deadlines).
+_CHANNEL_DEFAULTS = (("grpc.enable_http_proxy", 0), ("grpc.enable_retries", 0))
 _warned = set()
 
 
@@ -192,6 +199,8 @@ class Security:
                     "certificate_file=None."
                 )
             return None
+        import grpc
+
         key_pair = (_read(self.private_key_file), _read(self.certificate_file))
         roots = None if self.ca_file is None else _read(self.ca_file)
         return grpc.ssl_server_credentials(
@@ -208,6 +217,8 @@ class Security:
         """
         if not self.client_tls:
             return None
+        import grpc
+
         if self.certificate_file is None:
             return grpc.ssl_channel_credentials(root_certificates=_read(self.ca_file))
         return grpc.ssl_channel_credentials(
@@ -242,14 +253,23 @@ class Security:
         secret = self.secret()
         return [] if secret is None else [ServerAuthenticator(secret, _UNAUTHENTICATED_DETAIL)]
 
-    def open_channel(self, address, options=()):
+    def channel(self, address, options=()):
         """Returns a channel to `address` that proves the secret and checks the server's proof.
+
+        The one place kdist opens a channel: TLS when `ca_file` is set, the
+        secret's handshake unless insecure, no HTTP proxy and no gRPC retries.
 
         Args:
             address: the server's `"host:port"`.
-            options: `grpc` channel options.
+            options: further `grpc` channel options (message limits, keepalive,
+                reconnect backoff).
+
+        Returns:
+            A `grpc.Channel`; close it when done.
         """
-        options = list(options) + self.channel_options()
+        import grpc
+
+        options = [*_CHANNEL_DEFAULTS, *options, *self.channel_options()]
         credentials = self.channel_credentials()
         channel = (grpc.insecure_channel(address, options=options) if credentials is None
                    else grpc.secure_channel(address, credentials, options=options))
@@ -260,6 +280,46 @@ class Security:
 
         authenticator = ClientAuthenticator(channel, secret, address, tls=credentials is not None)
         return grpc.intercept_channel(channel, authenticator)
+
+    # The name `channel` had before; kept for callers of the public `Security`.
+    open_channel = channel
+
+    def bind(self, server, address, service):
+        """Binds `server` to `address`, TLS when this has a server certificate; returns the port.
+
+        The secret's check is not installed here but when the server is built
+        (`server_interceptors`).
+
+        Args:
+            server: a `grpc.Server`, not started yet.
+            address: `"host:port"` to bind; port 0 picks a free port.
+            service: what is served, for people: "parameter server", "worker service".
+
+        Returns:
+            The bound port (the real one when `address` has port 0).
+
+        Raises:
+            kdist.errors.InvalidArgumentError: the address cannot be bound (in
+                use, not an address of this machine), or `server_credentials`
+                refuses this configuration.
+        """
+        credentials = self.server_credentials()
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
+        except RuntimeError as error:
+            raise InvalidArgumentError(
+                f"Cannot bind the {service} to {address!r}: {error}. Use a free port "
+                "(0 picks one) on an address of this machine."
+            ) from None
+        if not port:
+            raise InvalidArgumentError(
+                f"Cannot bind the {service} to {address!r}. Use a free port (0 picks one) "
+                "on an address of this machine."
+            )
+        return port
 
     def check_exposure(self, service, host, port):
         """Logs, once per process and kind, what a server bound at `host` exposes.

@@ -4,7 +4,7 @@ from concurrent import futures
 
 import grpc
 
-from kdist.cluster.spec import format_address
+from kdist.cluster.address import bind_endpoint, format_address
 from kdist.errors import InvalidArgumentError
 from kdist.ps.options import ServiceOptions
 from kdist.ps.security import Security
@@ -99,7 +99,7 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
         raise InvalidArgumentError(
             f"security must be a Security. Received: {type(security).__name__}."
         )
-    host = _bind_host(address)
+    host, _ = bind_endpoint(address)
     store = VariableStore(max_staleness=options.max_staleness,
                           allow_non_finite_gradients=options.allow_non_finite_gradients)
     servicer = VariableServicer(store, options.chunk_bytes, options)
@@ -112,36 +112,8 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
         # instead of silently sharing the port with the first.
         options=options.grpc_options() + [("grpc.so_reuseport", 0)],
     )
-    credentials = security.server_credentials()
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(address)
-        else:
-            port = server.add_secure_port(address, credentials)
-    except RuntimeError as error:
-        raise InvalidArgumentError(
-            f"Cannot bind the parameter server to {address!r}: {error}. Use a free port "
-            "(0 picks one) on an address of this machine."
-        ) from None
-    if not port:
-        raise InvalidArgumentError(
-            f"Cannot bind the parameter server to {address!r}. Use a free port (0 picks one) "
-            "on an address of this machine."
-        )
+    port = security.bind(server, address, "parameter server")
     server.start()
     security.check_exposure("parameter server", host, port)
     return VariableServer(server, servicer, host, port)
 
-
-def _bind_host(address):
-    # Like kdist.cluster.parse_address, but port 0 ("any free port") is allowed.
-    host, separator, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    bracketed = host.startswith("[") and host.endswith("]")
-    host = host[1:-1] if bracketed else host
-    if not (separator and host and port.isdigit() and int(port) <= 65535
-            and (bracketed or ":" not in host)):
-        raise InvalidArgumentError(
-            "A server address must be 'host:port' with a port in 0..65535 (0: any free "
-            f"port); IPv6 hosts in brackets. Received: address={address!r}."
-        )
-    return host
