@@ -6,8 +6,8 @@ Layout of a checkpoint directory:
   version, trainable flag and optimizer (config JSON, iterations, slots).
 - one `.npy` file per value and per slot (`allow_pickle=False`), named by
   position, since variable names may contain "/". bfloat16 arrays are stored
-  as their int16 bit patterns (`.npy` has no bfloat16); the manifest keeps
-  the real dtype.
+  as their int16 bits (`.npy` has no bfloat16; `kdist.ps.dtypes.storable`) and
+  read back exactly as bfloat16: the manifest keeps the real dtype.
 
 `save` writes into a temporary directory next to the target, fsyncs every
 file and the directory, renames it into place and fsyncs the parent
@@ -29,7 +29,7 @@ import numpy as np
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
+from kdist.ps import codec, dtypes
 from kdist.ps.optimizer_host import VariableOptimizer
 from kdist.ps.status import NotFoundError, ResourceExhaustedError
 from kdist.ps.variable_entry import VariableEntry, make_variable
@@ -79,7 +79,7 @@ def save(store, directory):
         try:
             for name, array in arrays.items():
                 with open(temporary / name, "wb") as writer:
-                    np.save(_Writes(writer), _storable(array), allow_pickle=False)
+                    np.save(_Writes(writer), dtypes.storable(array), allow_pickle=False)
                     _flush_to_disk(writer)
             manifest = json.dumps({"format": FORMAT, "variables": records}, indent=1)
             with open(temporary / MANIFEST_NAME, "w", encoding="utf-8") as writer:
@@ -203,17 +203,11 @@ def _flush_to_disk(writer):
     os.fsync(writer.fileno())
 
 
-def _storable(array):
-    return array.view(np.int16) if array.dtype.name == "bfloat16" else array
-
-
 def _load_array(source, file_name, dtype_name, shape=None):
     if Path(file_name).name != file_name:
         raise ValueError(f"file name {file_name!r} is not a plain name")
     dtype = codec.numpy_dtype(dtype_name)
-    array = np.load(source / file_name, allow_pickle=False)
-    if dtype.name == "bfloat16":
-        array = array.view(dtype) if array.dtype == np.int16 else array
+    array = dtypes.from_storable(np.load(source / file_name, allow_pickle=False), dtype.name)
     if array.dtype != dtype or (shape is not None and list(array.shape) != list(shape)):
         raise ValueError(f"{file_name} holds {array.dtype}{list(array.shape)}, expected "
                          f"{dtype.name}{list(shape) if shape is not None else ''}")

@@ -19,27 +19,24 @@ import numpy as np
 import torch
 
 from kdist.errors import InvalidArgumentError
+from kdist.ps import dtypes
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.options import FRAMING_BYTES
 from kdist.ps.status import ResourceExhaustedError
-
-try:
-    import ml_dtypes
-except ImportError:  # bfloat16 is then unsupported; every other dtype works.
-    ml_dtypes = None
 
 _HEADER_TAG = 0x0A  # field 1, length-delimited
 _PAYLOAD_TAG = 0x12  # field 2, length-delimited
 _MAX_DIMENSIONS = 32
 
+# The dtypes that travel, by canonical name (`kdist.ps.dtypes`); bfloat16 when
+# ml_dtypes is installed (it is a Keras dependency).
 SUPPORTED_DTYPES = {
-    name: np.dtype(name)
+    name: dtypes.numpy_dtype(name)
     for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32",
                  "float64")
 }
-if ml_dtypes is not None:
-    SUPPORTED_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
-_TORCH_VIEWS = {"bfloat16": (torch.bfloat16, np.int16)}
+if dtypes.ml_dtypes is not None:
+    SUPPORTED_DTYPES["bfloat16"] = dtypes.numpy_dtype("bfloat16")
 
 
 def numpy_dtype(name, what="dtype"):
@@ -69,11 +66,7 @@ def as_array(value, what):
                 f"{what} must be on the CPU. Received: a tensor on {value.device}. "
                 "Move it with `.cpu()` first."
             )
-        value = value.detach()
-        if value.dtype == torch.bfloat16 and "bfloat16" in SUPPORTED_DTYPES:
-            array = value.contiguous().view(torch.int16).numpy().view(SUPPORTED_DTYPES["bfloat16"])
-        else:
-            array = value.contiguous().numpy()
+        array = dtypes.to_numpy(value.detach().contiguous())
     else:
         array = np.asarray(value)
     if array.dtype.name not in SUPPORTED_DTYPES or array.dtype != SUPPORTED_DTYPES[array.dtype.name]:
@@ -84,20 +77,9 @@ def as_array(value, what):
     return _c_contiguous(array)
 
 
-def to_torch(array):
-    """Returns a torch tensor sharing memory with the C-contiguous NumPy `array`."""
-    view = _TORCH_VIEWS.get(array.dtype.name)
-    if view is None:
-        return torch.from_numpy(array)
-    return torch.from_numpy(array.view(view[1])).view(view[0])
-
-
-def from_torch(tensor):
-    """Returns a NumPy array sharing memory with the CPU torch `tensor`."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(SUPPORTED_DTYPES["bfloat16"])
-    return tensor.numpy()
+# NumPy <-> torch without a copy, bfloat16 included: `kdist.ps.dtypes`.
+to_torch = dtypes.to_torch
+from_torch = dtypes.to_numpy
 
 
 def tensor_meta(array):

@@ -15,15 +15,15 @@ entries. A rank-0 (scalar) variable has no axis to split: every partitioner
 returns `[]` for it, and the strategy does not partition it.
 
 A dtype may be given as a string (`"float32"`, `"bfloat16"`, `"string"`), a
-NumPy dtype or scalar type, or a `torch.dtype`.
+NumPy dtype or scalar type, or a `torch.dtype` (`canonical_dtype_name`, from
+`kdist.ps.dtypes`, names it).
 """
 
 import abc
 
-import numpy as np
-import torch
-
 from kdist.errors import InvalidArgumentError
+from kdist.ps.dtypes import canonical_dtype_name, numpy_dtype, torch_dtype
+from kdist.validation import is_integer, require_positive_integer
 
 DEFAULT_MIN_SHARD_BYTES = 256 << 10
 """256 KiB: TensorFlow's default; smaller shards cost more in per-request overhead than
@@ -31,70 +31,6 @@ they gain in parallelism."""
 
 DEFAULT_BYTES_PER_STRING = 16
 """Estimated size of one string element, whose real size is unknown until it is filled."""
-
-_STRING_DTYPE_NAMES = frozenset({"string", "str", "bytes", "object"})
-
-
-def _check_positive_int(value, argument_name, allow_none=False):
-    if allow_none and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        expected = "a positive integer or None" if allow_none else "a positive integer"
-        raise InvalidArgumentError(
-            f"`{argument_name}` must be {expected}. "
-            f"Received: {argument_name}={value!r}. Expected: {expected}."
-        )
-
-
-def _torch_dtype(name):
-    """The torch dtype whose canonical name is `name`; None for aliases and unknowns."""
-    candidate = getattr(torch, name, None)
-    if isinstance(candidate, torch.dtype) and str(candidate) == f"torch.{name}":
-        return candidate
-    return None
-
-
-def canonical_dtype_name(dtype):
-    """Returns the canonical name of a dtype, e.g. `"float32"`.
-
-    Args:
-        dtype: a string (`"float32"`, `"bfloat16"`, `"string"`), a NumPy dtype or
-            scalar type, or a `torch.dtype`.
-
-    Returns:
-        The NumPy-style name of the dtype (`"float32"`, `"int64"`, `"bool"`,
-        `"bfloat16"`), or `"string"` for string and object dtypes.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: `dtype` is not a dtype.
-
-    Example:
-
-    >>> canonical_dtype_name(torch.float16)
-    'float16'
-    >>> canonical_dtype_name(np.int64)
-    'int64'
-    """
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if isinstance(dtype, str):
-        name = dtype.strip().lower()
-        if name in _STRING_DTYPE_NAMES:
-            return "string"
-        if _torch_dtype(name) is not None:
-            # Types NumPy lacks (bfloat16, float8_*) are known by their torch name.
-            return name
-        dtype = name
-    try:
-        numpy_dtype = np.dtype(dtype)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"Unknown dtype. Received: dtype={dtype!r}. Expected a dtype name such as "
-            "'float32', a NumPy dtype or a torch.dtype."
-        ) from None
-    if numpy_dtype.kind in "OSU":
-        return "string"
-    return numpy_dtype.name
 
 
 def dtype_num_bytes(dtype, bytes_per_string=DEFAULT_BYTES_PER_STRING):
@@ -120,10 +56,10 @@ def dtype_num_bytes(dtype, bytes_per_string=DEFAULT_BYTES_PER_STRING):
     name = canonical_dtype_name(dtype)
     if name == "string":
         return bytes_per_string
-    torch_dtype = _torch_dtype(name)
-    if torch_dtype is not None:
-        return torch_dtype.itemsize
-    return np.dtype(name).itemsize
+    torch_type = torch_dtype(name)
+    if torch_type is not None:
+        return torch_type.itemsize
+    return numpy_dtype(name).itemsize
 
 
 def canonical_shape(shape):
@@ -152,7 +88,7 @@ def canonical_shape(shape):
             "Expected, e.g., (100, 10)."
         ) from None
     for dim in dims:
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
+        if not is_integer(dim, minimum=0):
             raise InvalidArgumentError(
                 "Every dimension of a variable's shape must be a known, non-negative "
                 f"integer. Received: shape={dims!r}. Expected, e.g., (100, 10)."
@@ -161,7 +97,7 @@ def canonical_shape(shape):
 
 
 def _check_axis(axis, shape):
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    if not is_integer(axis):
         raise InvalidArgumentError(
             f"`axis` must be an integer. Received: axis={axis!r}. Expected: 0."
         )
@@ -245,7 +181,7 @@ class FixedShardsPartitioner(Partitioner):
     """
 
     def __init__(self, num_shards):
-        _check_positive_int(num_shards, "num_shards")
+        require_positive_integer("num_shards", num_shards)
         self.fixed_num_shards = int(num_shards)
 
     def num_shards(self, shape, dtype, axis):
@@ -295,9 +231,9 @@ class MinSizePartitioner(Partitioner):
         max_shards=1,
         bytes_per_string=DEFAULT_BYTES_PER_STRING,
     ):
-        _check_positive_int(min_shard_bytes, "min_shard_bytes")
-        _check_positive_int(max_shards, "max_shards")
-        _check_positive_int(bytes_per_string, "bytes_per_string")
+        require_positive_integer("min_shard_bytes", min_shard_bytes)
+        require_positive_integer("max_shards", max_shards)
+        require_positive_integer("bytes_per_string", bytes_per_string)
         self.min_shard_bytes = int(min_shard_bytes)
         self.max_shards = int(max_shards)
         self.bytes_per_string = int(bytes_per_string)
@@ -352,9 +288,9 @@ class MaxSizePartitioner(Partitioner):
     """
 
     def __init__(self, max_shard_bytes, max_shards=None, bytes_per_string=DEFAULT_BYTES_PER_STRING):
-        _check_positive_int(max_shard_bytes, "max_shard_bytes")
-        _check_positive_int(max_shards, "max_shards", allow_none=True)
-        _check_positive_int(bytes_per_string, "bytes_per_string")
+        require_positive_integer("max_shard_bytes", max_shard_bytes)
+        require_positive_integer("max_shards", max_shards, allow_none=True)
+        require_positive_integer("bytes_per_string", bytes_per_string)
         self.max_shard_bytes = int(max_shard_bytes)
         self.max_shards = None if max_shards is None else int(max_shards)
         self.bytes_per_string = int(bytes_per_string)

@@ -7,7 +7,9 @@ Glossary:
 - *shard*: one piece of a partitioned variable, a contiguous range of its rows
   (axis 0) held on one ps, named `"<variable>/part_<i>"` as in TensorFlow.
 - *div strategy*: rows are dealt out contiguously and as evenly as possible;
-  when they do not divide evenly, each of the first shards gets one extra row.
+  when they do not divide evenly, each of the first shards gets one extra row
+  (`kdist.distribute.parameter_server.rows`, the one place that says which
+  rows a shard owns).
 - *slot*: one turn of the round-robin. Every unpartitioned variable and every
   shard takes the next slot, and slot `k` is ps `k % num_ps`.
 
@@ -21,7 +23,14 @@ import threading
 import numpy as np
 
 from kdist.distribute.parameter_server.partitioners import canonical_dtype_name, canonical_shape
+from kdist.distribute.parameter_server.rows import RowGroup, RowRange, div_partition, group_rows
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer
+
+__all__ = [
+    "PS_DEVICE_TEMPLATE", "RoundRobinPlacer", "RowGroup", "RowRange", "ShardPlacement", "VariablePlacement",
+    "device_string", "div_partition",
+]
 
 PS_DEVICE_TEMPLATE = "/job:ps/replica:0/task:{}/device:CPU:0"
 """TensorFlow's device string of a parameter server; variables always live on its CPU."""
@@ -44,53 +53,17 @@ def device_string(ps_index):
     return PS_DEVICE_TEMPLATE.format(int(ps_index))
 
 
-def div_partition(num_rows, num_shards):
-    """Splits `num_rows` rows into `num_shards` contiguous ranges (div strategy).
-
-    Args:
-        num_rows: the number of rows, a non-negative integer.
-        num_shards: the number of shards, between 1 and `max(num_rows, 1)`.
-
-    Returns:
-        A list of `(row_start, row_stop)` half-open ranges, in row order. The
-        first `num_rows % num_shards` ranges hold one row more than the others.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: `num_shards` is below 1 or above the
-            number of rows, or `num_rows` is negative.
-
-    Example:
-
-    >>> div_partition(13, 5)    # rows [0,1,2] [3,4,5] [6,7,8] [9,10] [11,12]
-    [(0, 3), (3, 6), (6, 9), (9, 11), (11, 13)]
-    """
-    integers = all(
-        isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-        for value in (num_rows, num_shards)
-    )
-    if not integers or num_rows < 0 or num_shards < 1 or num_shards > max(num_rows, 1):
-        raise InvalidArgumentError(
-            "Cannot split the rows into that many shards. Received: "
-            f"num_rows={num_rows!r}, num_shards={num_shards!r}. Expected integers with "
-            "1 <= num_shards <= num_rows: a shard holds at least one row."
-        )
-    base, extra = divmod(int(num_rows), int(num_shards))
-    ranges = []
-    start = 0
-    for shard_index in range(num_shards):
-        stop = start + base + (1 if shard_index < extra else 0)
-        ranges.append((start, stop))
-        start = stop
-    return ranges
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardPlacement:
     """Where one shard (or the whole of an unpartitioned variable) lives.
 
     Attributes:
-        name: the name the parameter server knows it by: `"w/part_0"` for a
-            shard, the variable's own name when it is not partitioned.
+        name: its TensorFlow-style name: `"w/part_0"` for a shard, the
+            variable's own name when it is not partitioned. It is *not* the key
+            the parameter server stores it under: the strategy's router keys
+            shards by creation order (`"v3"`, `"v3/part_0"`; see
+            `RemoteVariable.server_key`), so a `VariableClient` asked for
+            `name` answers NOT_FOUND.
         ps_index: the task index of the parameter server holding it.
         row_start: the first row of the full variable it holds.
         row_stop: one past its last row. `row_start == row_stop == 0` for a
@@ -110,32 +83,22 @@ class ShardPlacement:
         return device_string(self.ps_index)
 
     @property
+    def rows(self):
+        """The `RowRange` of the full variable's rows it holds."""
+        return RowRange(self.row_start, self.row_stop)
+
+    @property
     def num_rows(self):
         """The number of rows it holds."""
         return self.row_stop - self.row_start
 
 
 @dataclasses.dataclass(frozen=True)
-class RowGroup:
-    """The ids of one lookup that fall in one shard.
-
-    Attributes:
-        shard_index: the index of the shard in `VariablePlacement.shards`.
-        local_ids: the ids relative to the shard's first row (int64, may repeat).
-        positions: for each local id, its position in the flattened global ids.
-    """
-
-    shard_index: int
-    local_ids: np.ndarray
-    positions: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
 class VariablePlacement:
     """Where every shard of one variable lives.
 
-    An unpartitioned variable has exactly one shard, named like the variable,
-    covering all its rows.
+    An unpartitioned variable has exactly one shard, named like the variable
+    (see `ShardPlacement.name` for the server's key), covering all its rows.
 
     Attributes:
         name: the variable's name.
@@ -188,6 +151,15 @@ class VariablePlacement:
         return len(self.shards)
 
     @property
+    def row_ranges(self):
+        """The `RowRange` of every shard, in shard order."""
+        return tuple(shard.rows for shard in self.shards)
+
+    def shard_part(self, position, array):
+        """The part of `array` (the whole variable's value or gradient) that shard `position` holds."""
+        return array if not self.is_partitioned else self.shards[position].rows.take(array)
+
+    @property
     def device(self):
         """The device string of the first shard's parameter server."""
         return self.shards[0].device
@@ -236,14 +208,7 @@ class VariablePlacement:
                 f"Row id out of range for variable {self.name!r}. Received: id={int(bad)}. "
                 f"Expected ids in [0, {num_rows})."
             )
-        row_stops = np.array([shard.row_stop for shard in self.shards], dtype=np.int64)
-        owners = np.searchsorted(row_stops, flat_ids, side="right")
-        groups = []
-        for shard_index in np.unique(owners).tolist():
-            positions = np.flatnonzero(owners == shard_index)
-            local_ids = flat_ids[positions] - self.shards[shard_index].row_start
-            groups.append(RowGroup(shard_index, local_ids, positions))
-        return groups
+        return group_rows(flat_ids, self.row_ranges)
 
 
 def _as_flat_ids(ids):
@@ -292,7 +257,7 @@ class RoundRobinPlacer:
     """
 
     def __init__(self, num_ps):
-        if isinstance(num_ps, bool) or not isinstance(num_ps, (int, np.integer)) or num_ps < 1:
+        if not is_integer(num_ps, minimum=1):
             raise InvalidArgumentError(
                 "A parameter-server cluster needs at least one ps task. Received: "
                 f"num_ps={num_ps!r}. Expected a positive integer."
@@ -343,7 +308,7 @@ class RoundRobinPlacer:
         if partitioner is not None and shape and shape[0] > 0:
             # The partitioner is user code: call it outside the lock.
             num_shards = _checked_num_shards(name, shape, partitioner(shape, dtype))
-        row_ranges = div_partition(shape[0], num_shards) if shape else [(0, 0)]
+        row_ranges = div_partition(shape[0], num_shards) if shape else [RowRange(0, 0)]
         with self._lock:
             first_slot = self._num_slots_taken
             self._num_slots_taken += num_shards
@@ -385,7 +350,7 @@ def _checked_num_shards(name, shape, partitions):
     usable = (
         entries is not None
         and len(entries) == len(shape)
-        and all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in entries)
+        and all(is_integer(entry) for entry in entries)
         and all(entry == 1 for entry in entries[1:])
         and entries[0] >= 1
     )

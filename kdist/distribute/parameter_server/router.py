@@ -2,8 +2,9 @@
 
 Every variable created in a `ParameterServerStrategy` scope keeps a local
 Keras variable (the model computes with it, and a saved `.keras` file holds
-it) plus an entry here: where its shards live, the server version each shard
-was last read at, and whether lookups replace dense reads (embedding tables).
+it) plus a `Route` here (`kdist.distribute.parameter_server.route`): where its
+shards live, their server keys, the server version each shard was last read
+at, and whether lookups replace dense reads (embedding tables).
 
 All traffic goes through `kdist.ps.VariableClient`. A call that touches
 several parameter servers sends one request to each, in parallel, so a
@@ -18,48 +19,42 @@ applies a given id once (see `VariableClient.push`). `idempotent_updates`
 numbers a thread's pushes, so that a closure re-run after its worker died
 repeats the dead worker's ids and its pushes that were delivered are not
 applied twice.
+
+The way of a gradient, stage by stage ("push" is the RPC, `Push`; each stage
+has its own name):
+
+1. router (here): `VariableRouter.send_gradients` cuts each variable's
+   gradient into its shards' parts (`VariablePlacement.shard_part`, row ids
+   by owner via `kdist.distribute.parameter_server.rows`) as
+   `kdist.ps.DenseGradient` / `RowGradient` values, one batch per server.
+2. client: `kdist.ps.VariableClient.push` sends one batch (the `Push` RPC).
+3. payload: `kdist.ps.client_payload.encode_gradient` turns each value into
+   a `GradientMeta` header entry plus the arrays it carries.
+4. codec: `kdist.ps.codec.encode_stream` frames header and arrays into
+   chunked stream messages; on the server, `codec.read_stream` decodes them
+   into arrays laid out as the header announced.
+5. servicer: `kdist.ps.servicer.VariableServicer.push` (the RPC handler)
+   reads the header into `GradientSpec`s.
+6. store: `VariableStore.plan_update` validates the whole request before
+   anything changes; `VariableStore.apply_update` applies it, at most once per
+   update id, variable by variable under each variable's lock.
+7. optimizer host: `kdist.ps.optimizer_host.VariableOptimizer.apply` runs the
+   variable's own Keras optimizer on the (dense) gradient.
 """
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import threading
 
 import numpy as np
-import torch
 
+from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
-from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit
+from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit, dtypes
 from kdist.ps.values import check_update_id
 
-
-@dataclasses.dataclass(eq=False)
-class Route:
-    """One variable created in scope: its local copy and where its shards live.
-
-    Attributes:
-        variable: the local `keras.Variable` the model computes with.
-        placement: its `kdist.distribute.parameter_server.placement.VariablePlacement`.
-        keys: the server-side name of each shard, in shard order.
-        versions: server version of each shard at the last read.
-        row_sparse: True when steps look rows up instead of reading the table.
-    """
-
-    variable: object
-    placement: object
-    keys: tuple
-    versions: list
-    row_sparse: bool = False
-    snapshot: object = None
-
-    @property
-    def trainable(self):
-        return bool(self.variable.trainable)
-
-    @property
-    def local_tensor(self):
-        return self.variable.value
+__all__ = ["Route", "RouteReader", "VariableRouter"]
 
 
 class VariableRouter:
@@ -95,25 +90,20 @@ class VariableRouter:
         """
         with self._lock:
             index = next(self._counter)
-        # Keyed by creation order, not by name: Keras numbers default names per
-        # process ("variable_3"), while every worker of a between-graph job
-        # creates the same variables in the same order.
-        if placement.is_partitioned:
-            keys = tuple(f"v{index}/part_{position}" for position in range(len(placement.shards)))
-        else:
-            keys = (f"v{index}",)
+        # Keyed by creation order, not by name (see `route.server_keys`).
+        keys = server_keys(index, placement)
         entry = Route(variable, placement, keys, [0] * len(keys))
-        value = _to_numpy(variable.value)
+        value = to_numpy(variable.value)
         requests = {}
         for position, shard in enumerate(placement.shards):
-            item = VariableInit(keys[position], _shard_part(placement, position, value), trainable=bool(variable.trainable))
+            item = VariableInit(keys[position], placement.shard_part(position, value), trainable=bool(variable.trainable))
             requests.setdefault(shard.ps_index, []).append((position, item))
         results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
         for ps_index, items in requests.items():
             for (position, _), state in zip(items, results[ps_index]):
-                self._write_shard(entry, position, state.value)
+                entry.write_shard(position, state.value)
                 entry.versions[position] = state.version
-        self._take_snapshot(entry)
+        entry.take_snapshot()
         with self._lock:
             self._entries[id(variable)] = entry
         return entry
@@ -164,7 +154,7 @@ class VariableRouter:
             names = [entry.keys[position] for entry, position in items]
             known = {entry.keys[position]: entry.versions[position] for entry, position in items} if only_changed else None
             # Values land straight in the local variables' memory (no copy).
-            out = {name: view for name, (entry, position) in zip(names, items) if (view := self._local_view(entry, position)) is not None}
+            out = {name: view for name, (entry, position) in zip(names, items) if (view := entry.local_view(position)) is not None}
             try:
                 return client.pull(names, known_versions=known, out=out), out
             except Exception:
@@ -179,33 +169,27 @@ class VariableRouter:
             states, out = results[ps_index]
             for (entry, position), state in zip(items, states):
                 if state.value is not None and state.value is not out.get(entry.keys[position]):
-                    self._write_shard(entry, position, state.value)
+                    entry.write_shard(position, state.value)
                 entry.versions[position] = state.version
         for entry in entries:
-            self._take_snapshot(entry)
+            entry.take_snapshot()
 
     def lookup(self, entry, row_ids):
         """Rows `row_ids` (unique, int64, 1-D) of `entry`'s table, read from the shards that own them.
 
         Returns:
-            `(rows, versions)`: a float tensor of `len(row_ids)` rows on the
-            CPU and the version of each shard that answered (by shard position).
+            `(rows, versions)`: a tensor of `len(row_ids)` rows (the table's
+            dtype) on the CPU and the version of each shard that answered (by
+            shard position).
         """
-        ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
-        starts = np.array([shard.row_start for shard in entry.placement.shards])
-        owner = np.searchsorted(starts, ids, side="right") - 1
-        requests, selections = [], []
-        for position, shard in enumerate(entry.placement.shards):
-            selected = np.nonzero(owner == position)[0]
-            if len(selected):
-                requests.append((position, ids[selected] - shard.row_start))
-                selections.append(selected)
-        rows = np.empty((len(ids),) + tuple(entry.placement.shape[1:]), dtype=np.dtype(entry.placement.dtype))
+        groups = entry.placement.shard_for_rows(row_ids)
+        requests = [(group.shard_index, group.local_ids) for group in groups]
+        rows = np.empty((len(row_ids),) + tuple(entry.placement.shape[1:]), dtype=dtypes.numpy_dtype(entry.placement.dtype))
         versions = {}
-        for (position, _), selected, (values, version) in zip(requests, selections, self.lookup_shards(entry, requests)):
-            rows[selected] = values
-            versions[position] = version
-        return torch.from_numpy(rows), versions
+        for group, (values, version) in zip(groups, self.lookup_shards(entry, requests)):
+            rows[group.positions] = values
+            versions[group.shard_index] = version
+        return dtypes.to_torch(rows), versions
 
     def lookup_shards(self, entry, requests):
         """Rows of `entry`'s shards: `[(shard position, local ids)]` -> `[(rows, version)]`, one request per server."""
@@ -232,8 +216,8 @@ class VariableRouter:
         return values
 
     # ----- writes -----------------------------------------------------------------
-    def push(self, dense, rows=(), assign=(), update_id=None):
-        """Sends one update to every server it concerns, in parallel.
+    def send_gradients(self, dense, rows=(), assign=(), update_id=None):
+        """Sends one update to every server it concerns, in parallel (stage 1 of a push).
 
         Args:
             dense: `(entry, gradient tensor)` pairs, full-variable gradients.
@@ -257,26 +241,27 @@ class VariableRouter:
         check_update_id(update_id)
         requests = {}
         for entry, gradient in dense:
-            gradient = _to_numpy(gradient)
+            gradient = to_numpy(gradient)
             for position, shard in enumerate(entry.placement.shards):
-                update = DenseGradient(entry.keys[position], _shard_part(entry.placement, position, gradient), entry.versions[position])
+                update = DenseGradient(entry.keys[position], entry.placement.shard_part(position, gradient), entry.versions[position])
                 requests.setdefault(shard.ps_index, ([], []))[0].append(update)
         for entry, row_ids, values, versions in rows:
-            ids = row_ids.cpu().numpy().astype(np.int64, copy=False)
-            values = _to_numpy(values)
-            for position, shard in enumerate(entry.placement.shards):
-                selected = np.nonzero((ids >= shard.row_start) & (ids < shard.row_stop))[0]
-                if len(selected):
-                    update = RowGradient(entry.keys[position], ids[selected] - shard.row_start, values[selected], versions.get(position, entry.versions[position]))
-                    requests.setdefault(shard.ps_index, ([], []))[0].append(update)
+            values = to_numpy(values)
+            for group in entry.placement.shard_for_rows(row_ids):
+                position = group.shard_index
+                update = RowGradient(entry.keys[position], group.local_ids, values[group.positions], versions.get(position, entry.versions[position]))
+                requests.setdefault(entry.placement.shards[position].ps_index, ([], []))[0].append(update)
         for entry in assign:
-            value = _to_numpy(entry.variable.value)
+            value = to_numpy(entry.variable.value)
             for position, shard in enumerate(entry.placement.shards):
-                assignment = Assignment(entry.keys[position], _shard_part(entry.placement, position, value))
+                assignment = Assignment(entry.keys[position], entry.placement.shard_part(position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
         results = self._per_server(
             requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
         return list(results.values())
+
+    # The name callers used before the stages were named; the same method.
+    push = send_gradients
 
     @contextlib.contextmanager
     def idempotent_updates(self, prefix):
@@ -304,8 +289,8 @@ class VariableRouter:
         Example:
 
         >>> with variable_router.idempotent_updates("closure-17"):  # doctest: +SKIP
-        ...     variable_router.push(gradients)  # update_id "closure-17/0"
-        ...     variable_router.push(gradients)  # update_id "closure-17/1"
+        ...     variable_router.send_gradients(gradients)  # update_id "closure-17/0"
+        ...     variable_router.send_gradients(gradients)  # update_id "closure-17/1"
         """
         if not isinstance(prefix, str) or not prefix:
             raise InvalidArgumentError(
@@ -321,12 +306,12 @@ class VariableRouter:
 
     def assign(self, entries):
         """Writes the local values of `entries` to their servers (restoring weights, for instance)."""
-        self.push((), (), assign=entries)
+        self.send_gradients((), (), assign=entries)
         self.pull(entries, include_row_sparse=True)
 
     def configure_optimizer(self, config, entries):
         """Tells each server which optimizer applies the pushes to `entries`' shards."""
-        self._per_server(_keys_by_server(entries), lambda client, names: client.configure_optimizer(config, names))
+        self._per_server(keys_by_server(entries), lambda client, names: client.configure_optimizer(config, names))
 
     def optimizer_state(self, entries):
         """Reads back the servers' optimizer state of `entries`.
@@ -335,7 +320,7 @@ class VariableRouter:
             A list, one item per entry: `(iterations, {slot name: full array})`;
             a partitioned variable's slots are its shards' slots concatenated.
         """
-        results = self._per_server(_keys_by_server(entries), lambda client, names: client.optimizer_state(names))
+        results = self._per_server(keys_by_server(entries), lambda client, names: client.optimizer_state(names))
         states = {}
         for per_server in results.values():
             states.update(per_server)
@@ -370,31 +355,13 @@ class VariableRouter:
         return {ps_index: future.result() for ps_index, future in futures.items()}
 
     @staticmethod
-    def _local_view(entry, position):
-        """A NumPy view of the local memory holding shard `position`, or None (GPU, bfloat16)."""
-        tensor = entry.variable.value
-        if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or not tensor.is_contiguous():
-            return None
-        return _shard_part(entry.placement, position, tensor.detach().numpy())
-
-    @staticmethod
-    def _write_shard(entry, position, value):
-        target = _shard_part(entry.placement, position, entry.variable.value)
-        source = torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
-        with torch.no_grad():
-            target.copy_(source.reshape(target.shape))
-
-    @staticmethod
-    def _take_snapshot(entry):
-        # Non-trainable state (BatchNorm statistics) is written back only when a
-        # step changed it, so frozen weights cost nothing per step.
-        if not entry.trainable:
-            entry.snapshot = entry.variable.value.detach().clone()
-
-    @staticmethod
     def changed(entry):
         """True when a non-trainable entry's local value differs from what was last read."""
-        return entry.snapshot is not None and not torch.equal(entry.snapshot, entry.variable.value.detach())
+        return entry.changed()
+
+    def reader(self, entry):
+        """A `sharded_variable.VariableReader` of `entry`'s shards, which also knows their server keys."""
+        return RouteReader(self, entry)
 
 
 class _UpdateIdBlock:
@@ -406,35 +373,3 @@ class _UpdateIdBlock:
 
     def next_id(self):
         return f"{self.prefix}/{next(self._count)}"
-
-
-def _to_numpy(tensor):
-    if isinstance(tensor, np.ndarray):
-        return tensor
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.dtype == torch.bfloat16:
-        raise InvalidArgumentError(
-            "bfloat16 variables cannot live on parameter servers yet. Received: a bfloat16 "
-            "variable. Keep parameter-server variables in float32 (mixed precision computes "
-            "in bfloat16 while variables stay float32)."
-        )
-    return tensor.contiguous().numpy()
-
-
-def _shard_part(placement, position, array):
-    """The rows of `array` (the whole variable's value or gradient) that shard `position` holds."""
-    if not placement.is_partitioned:
-        return array
-    shard = placement.shards[position]
-    return array[shard.row_start : shard.row_stop]
-
-
-def _keys_by_server(entries):
-    """`{ps_index: [server keys]}` of every shard of `entries`."""
-    by_server = {}
-    for entry in entries:
-        for position, shard in enumerate(entry.placement.shards):
-            by_server.setdefault(shard.ps_index, []).append(entry.keys[position])
-    return by_server

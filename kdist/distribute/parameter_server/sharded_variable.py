@@ -21,6 +21,8 @@ import torch
 
 from kdist.distribute.parameter_server.placement import ShardPlacement, VariablePlacement
 from kdist.errors import InvalidArgumentError, KdistError
+from kdist.ps.dtypes import numpy_dtype
+from kdist.validation import is_integer
 
 
 class ShardReadError(KdistError, RuntimeError):
@@ -77,17 +79,6 @@ def _checked_array(array, expected_shape, shard_name):
     return array
 
 
-def _numpy_dtype(dtype_name):
-    if dtype_name == "string":
-        return np.dtype(object)
-    try:
-        return np.dtype(dtype_name)
-    except TypeError:
-        import ml_dtypes  # a Keras dependency: NumPy types for bfloat16 and float8
-
-        return np.dtype(getattr(ml_dtypes, dtype_name))
-
-
 def _ids_array(ids):
     if hasattr(ids, "detach"):  # a torch tensor, possibly on an accelerator
         ids = ids.detach().cpu().numpy()
@@ -103,7 +94,7 @@ def _gather_rows(reader, placement, reader_shards, ids):
     groups = placement.shard_for_rows(ids)
     row_shape = tuple(placement.shape[1:])
     if not groups:
-        return np.zeros(ids.shape + row_shape, dtype=_numpy_dtype(placement.dtype))
+        return np.zeros(ids.shape + row_shape, dtype=numpy_dtype(placement.dtype))
     # Each distinct row travels once, however often it is asked for.
     requests, inverses = [], []
     for group in groups:
@@ -200,8 +191,23 @@ class RemoteVariable(_DenseValueMixin):
 
     @property
     def name(self):
-        """The name the parameter server knows it by (`"w/part_0"` for a shard)."""
+        """Its TensorFlow-style name (`"w/part_0"` for a shard).
+
+        Not the key the parameter server stores it under: see `server_key`.
+        """
         return self._shard.name
+
+    @property
+    def server_key(self):
+        """The key its parameter server stores it under, e.g. `"v3/part_0"`; None if the reader does not say.
+
+        The strategy's router keys variables by creation order, not by name
+        (see `kdist.distribute.parameter_server.route.server_keys`), so this,
+        not `name`, is what a `kdist.ps.VariableClient` of that server
+        (`device`, `ps_index`) pulls. Read-only.
+        """
+        server_key = getattr(self._reader, "server_key", None)
+        return None if server_key is None else server_key(self._shard)
 
     @property
     def shape(self):
@@ -377,7 +383,7 @@ class ShardedVariable(_DenseValueMixin):
         """Indexes like a NumPy array; integer and slice keys on axis 0 read only those rows."""
         first, rest = (key[0], key[1:]) if isinstance(key, tuple) and key else (key, ())
         num_rows = self.shape[0]
-        if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+        if is_integer(first):
             row = int(first) + num_rows if first < 0 else int(first)
             if not 0 <= row < num_rows:
                 raise IndexError(

@@ -1,0 +1,141 @@
+"""`Route`: one variable's local copy, the server keys of its shards, and their versions.
+
+A `VariableRouter` keeps one `Route` per variable created in a
+`ParameterServerStrategy` scope. This module holds the bookkeeping on a
+route's local side (which part of the local memory a shard is, writing a
+value read from a server into it, the snapshot that says whether a
+non-trainable value changed), the naming of server keys, and `RouteReader`,
+which reads a route's shards for the user-facing views; the traffic is in
+`kdist.distribute.parameter_server.router`.
+
+Server keys: a variable's shards are stored on their servers under keys
+given by creation order, `"v<index>"` for a whole variable and
+`"v<index>/part_<k>"` for shard `k` of a partitioned one (`server_keys`),
+not under their TensorFlow-style names (`ShardPlacement.name`, `"w/part_0"`).
+Keras numbers default names per process ("variable_3"), while every worker
+of a between-graph job creates the same variables in the same order.
+"""
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from kdist.ps import dtypes
+
+
+def server_keys(index, placement):
+    """The server key of each shard of the `index`-th variable created, in shard order.
+
+    Example:
+
+    >>> from kdist.distribute.parameter_server.placement import RoundRobinPlacer
+    >>> from kdist.distribute.parameter_server.partitioners import FixedShardsPartitioner
+    >>> server_keys(3, RoundRobinPlacer(2).place("w", (4, 2), "float32", FixedShardsPartitioner(2)))
+    ('v3/part_0', 'v3/part_1')
+    """
+    if placement.is_partitioned:
+        return tuple(f"v{index}/part_{position}" for position in range(placement.num_shards))
+    return (f"v{index}",)
+
+
+@dataclasses.dataclass(eq=False)
+class Route:
+    """One variable created in scope: its local copy and where its shards live.
+
+    Written by the thread that runs the model's step; not otherwise thread-safe.
+
+    Attributes:
+        variable: the local `keras.Variable` the model computes with.
+        placement: its `kdist.distribute.parameter_server.placement.VariablePlacement`.
+        keys: the server key of each shard, in shard order (see `server_keys`).
+        versions: server version of each shard at the last read (-1: unknown).
+        row_sparse: True when steps look rows up instead of reading the table.
+        snapshot: a non-trainable variable's value at the last read, or None.
+    """
+
+    variable: object
+    placement: object
+    keys: tuple
+    versions: list
+    row_sparse: bool = False
+    snapshot: object = None
+
+    @property
+    def trainable(self):
+        return bool(self.variable.trainable)
+
+    @property
+    def local_tensor(self):
+        return self.variable.value
+
+    def server_key(self, shard):
+        """The server key of `shard` (one of `placement.shards`)."""
+        return self.keys[self.placement.shards.index(shard)]
+
+    def local_view(self, position):
+        """A NumPy view of the local memory holding shard `position`, or None (not on the CPU, not contiguous)."""
+        tensor = self.variable.value
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        return self.placement.shard_part(position, dtypes.to_numpy(tensor))
+
+    def write_shard(self, position, value):
+        """Copies a server's `value` of shard `position` into the local variable."""
+        target = self.placement.shard_part(position, self.variable.value)
+        source = dtypes.to_torch(value if value.flags.c_contiguous else value.copy(order="C"))
+        with torch.no_grad():
+            target.copy_(source.reshape(target.shape))
+
+    def take_snapshot(self):
+        # Non-trainable state (BatchNorm statistics) is written back only when a
+        # step changed it, so frozen weights cost nothing per step.
+        if not self.trainable:
+            self.snapshot = self.variable.value.detach().clone()
+
+    def changed(self):
+        """True when a non-trainable variable's local value differs from what was last read."""
+        return self.snapshot is not None and not torch.equal(self.snapshot, self.variable.value.detach())
+
+
+class RouteReader:
+    """Reads one `Route`'s shards for `RemoteVariable` / `ShardedVariable` views. Thread-safe.
+
+    `router` is the `VariableRouter` holding `entry`. Implements
+    `kdist.distribute.parameter_server.sharded_variable.VariableReader`, plus
+    `server_key(shard)`, which `RemoteVariable.server_key` asks.
+    """
+
+    def __init__(self, router, entry):
+        self._router = router
+        self._entry = entry
+
+    def read(self, shards):
+        return self._router.read_shards(self._entry, [self._entry.placement.shards.index(shard) for shard in shards])
+
+    def lookup(self, requests):
+        positions = [(self._entry.placement.shards.index(shard), ids) for shard, ids in requests]
+        return [rows for rows, _ in self._router.lookup_shards(self._entry, positions)]
+
+    def server_key(self, shard):
+        """The key the parameter server stores `shard` under, e.g. `"v3/part_0"`."""
+        return self._entry.server_key(shard)
+
+
+def to_numpy(tensor):
+    """A tensor (or array) as a C-contiguous NumPy array on the CPU; bfloat16 stays bfloat16."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return dtypes.to_numpy(tensor.contiguous())
+
+
+def keys_by_server(routes):
+    """`{ps_index: [server keys]}` of every shard of `routes`."""
+    by_server = {}
+    for route in routes:
+        for position, shard in enumerate(route.placement.shards):
+            by_server.setdefault(shard.ps_index, []).append(route.keys[position])
+    return by_server
