@@ -27,6 +27,7 @@ import torch
 
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.errors import InvalidArgumentError
+from kdist.ps import dtypes
 
 _TENSOR = "kdist.tensor"
 
@@ -59,7 +60,7 @@ class _Unpickler(pickle.Unpickler):
         if pid[0] == _TENSOR:
             _, index, kind = pid
             array = tensor_value(self._tensors[index])
-            return torch.from_numpy(array) if kind == "torch" else array
+            return _torch_tensor(array) if kind == "torch" else array
         if self._resolve is None:
             raise pickle.UnpicklingError(f"The payload references {pid!r}, which nothing here resolves.")
         return self._resolve(pid)
@@ -85,23 +86,31 @@ def loads(payload, resolve=None):
 
 
 def tensor_message(value):
-    """A numpy array or torch tensor as a `Tensor` message (raw bytes, dtype, shape)."""
+    """A numpy array or torch tensor as a `Tensor` message (raw bytes, dtype, shape).
+
+    The dtype travels as NumPy's `dtype.str` ("<f4"), or, for the types NumPy
+    lacks (bfloat16, float8: `ml_dtypes`), as the canonical name
+    (`kdist.ps.dtypes`); the bytes are the values' own, so they round-trip exactly.
+    """
     if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.dtype == torch.bfloat16:
-            data = value.cpu().contiguous().view(torch.int16).numpy()
-            return pb.Tensor(dtype="bfloat16", shape=list(value.shape), data=data.tobytes())
-        value = value.cpu().numpy()
+        value = dtypes.to_numpy(value.detach().cpu().contiguous())
     array = np.asarray(value)
     if array.dtype == object:
         raise InvalidArgumentError(f"Cannot send an array of Python objects. Received: dtype={array.dtype}.")
-    return pb.Tensor(dtype=array.dtype.str, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
+    # ml_dtypes types have kind "V" and a dtype.str ("<V2") that names no type.
+    wire_dtype = dtypes.canonical_dtype_name(array.dtype) if array.dtype.kind == "V" else array.dtype.str
+    return pb.Tensor(dtype=wire_dtype, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
 
 
 def tensor_value(message):
-    """The numpy array of a `Tensor` message (bfloat16 arrives as float32)."""
-    shape = tuple(message.shape)
-    if message.dtype == "bfloat16":
-        raw = np.frombuffer(message.data, dtype=np.int16).reshape(shape)
-        return torch.from_numpy(raw.copy()).view(torch.bfloat16).float().numpy()
-    return np.frombuffer(message.data, dtype=np.dtype(message.dtype)).reshape(shape).copy()
+    """The numpy array of a `Tensor` message, of the dtype it was sent with (bfloat16 included)."""
+    dtype = dtypes.numpy_dtype(message.dtype)
+    return np.frombuffer(message.data, dtype=dtype).reshape(tuple(message.shape)).copy()
+
+
+def _torch_tensor(array):
+    tensor = dtypes.to_torch(array)
+    # A torch bfloat16 tensor inside a payload arrives as float32: the one
+    # exception to kdist.ps.dtypes' exact bfloat16, pinned by
+    # tests/coordinator/test_payload.py::test_bfloat16_and_scalars_round_trip.
+    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor

@@ -8,7 +8,12 @@ then runs exactly the code single-device Keras runs.
 
 Slots are recorded by wrapping `add_variable_from_reference` on the instance:
 Keras calls it once per slot with the slot's name ("momentum", "velocity",
-...), in a fixed order.
+...), in a fixed order. A slot is known by `slot_name`: its short name, made
+unique among the same variable's slots. The worker's optimizer wrapper
+(`kdist.keras.parameter_server.worker_steps`) names its local slots with the
+same function, so each slot the server reports (`optimizer_state`, a
+checkpoint) finds its local twin even when one variable has two slots of the
+same short name.
 """
 
 import json
@@ -109,7 +114,7 @@ class VariableOptimizer:
 
         def record_slot(reference_variable, name=None, *args, **kwargs):
             slot = original(reference_variable, name, *args, **kwargs)
-            self.slot_names.append(_unique(name or "var", self.slot_names))
+            self.slot_names.append(slot_name(name, self.slot_names))
             self.slots.append(slot)
             return slot
 
@@ -165,7 +170,27 @@ class VariableOptimizer:
             slot.assign(codec.to_torch(slots[name]))
 
 
-def _unique(name, taken):
+def slot_name(name, taken):
+    """The name a slot of one variable is known by, on the servers and on the workers.
+
+    Args:
+        name: the short name Keras was given (`add_variable_from_reference`'s
+            `name`: "momentum", "velocity"; None is Keras' "var").
+        taken: the names already given to the same variable's slots, in
+            creation order.
+
+    Returns:
+        `name`, or `name_1`, `name_2`, ... when the variable already has a slot
+        of that name: unique per (variable, slot).
+
+    Example:
+
+    >>> slot_name("accumulator", ["accumulator"])
+    'accumulator_1'
+    >>> slot_name(None, [])
+    'var'
+    """
+    name = name or "var"
     candidate, suffix = name, 1
     while candidate in taken:
         candidate, suffix = f"{name}_{suffix}", suffix + 1

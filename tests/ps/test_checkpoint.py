@@ -182,3 +182,59 @@ def test_a_save_that_fails_partway_keeps_the_previous_checkpoint(options, tmp_pa
         client.restore(str(target))
         (big,) = client.pull(["big"])
         np.testing.assert_array_equal(big.value, np.arange(150_000, dtype="float32"))
+
+
+@keras.saving.register_keras_serializable(package="kdist_tests")
+class _TwoAccumulators(keras.optimizers.Optimizer):
+    """Gives each variable two slots of one short name, "accumulator", holding different sums."""
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._sums = [self.add_variable_from_reference(variable, "accumulator") for variable in variables]
+        self._squares = [self.add_variable_from_reference(variable, "accumulator") for variable in variables]
+
+    def update_step(self, gradient, variable, learning_rate):
+        index = self._get_variable_index(variable)
+        self.assign_add(self._sums[index], gradient)
+        self.assign_add(self._squares[index], gradient * gradient)
+        self.assign_sub(variable, learning_rate * gradient)
+
+
+def test_two_slots_with_one_short_name_restore_through_a_checkpoint(client, options, tmp_path):
+    client.create([VariableInit("w", np.zeros(3, "float32"))])
+    client.configure_optimizer(keras.optimizers.serialize(_TwoAccumulators(learning_rate=0.5)), ["w"])
+    for _ in range(2):
+        client.push([DenseGradient("w", np.array([1.0, 2.0, 3.0], "float32"))])
+    before = client.optimizer_state(["w"])["w"]
+    assert list(before.slots) == ["accumulator", "accumulator_1"]
+    np.testing.assert_array_equal(before.slots["accumulator"], [2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(before.slots["accumulator_1"], [2.0, 8.0, 18.0])
+    client.save(str(tmp_path / "checkpoint"))
+    with create_server(options=options) as fresh, VariableClient(fresh.address) as other:
+        other.restore(str(tmp_path / "checkpoint"))
+        after = other.optimizer_state(["w"])["w"]
+        assert after.iterations == before.iterations == 2
+        assert list(after.slots) == ["accumulator", "accumulator_1"]
+        for name, value in before.slots.items():
+            np.testing.assert_array_equal(after.slots[name], value)
+
+
+def test_a_bfloat16_variable_and_its_slots_restore_exactly(client, options, tmp_path):
+    value = np.array([1.0, -2.5, 3.140625], ml_dtypes.bfloat16)
+    client.create([VariableInit("half", value)])
+    client.configure_optimizer(keras.optimizers.serialize(keras.optimizers.SGD(0.5, momentum=0.9)), ["half"])
+    client.push([DenseGradient("half", np.array([0.5, 1.0, -1.0], ml_dtypes.bfloat16))])
+    [before] = client.pull(["half"])
+    slots_before = client.optimizer_state(["half"])["half"].slots
+    assert before.value.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert [slot.dtype for slot in slots_before.values()] == [np.dtype(ml_dtypes.bfloat16)]
+    client.save(str(tmp_path / "checkpoint"))
+    with create_server(options=options) as fresh, VariableClient(fresh.address) as other:
+        other.restore(str(tmp_path / "checkpoint"))
+        [after] = other.pull(["half"])
+        assert after.value.dtype == before.value.dtype and after.version == before.version
+        assert after.value.tobytes() == before.value.tobytes()
+        for name, slot in other.optimizer_state(["half"])["half"].slots.items():
+            assert slot.dtype == slots_before[name].dtype and slot.tobytes() == slots_before[name].tobytes()
