@@ -29,6 +29,7 @@ import numpy as np
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer
 from kdist.ps import codec, dtypes
 from kdist.ps.optimizer_host import VariableOptimizer
 from kdist.ps.status import NotFoundError, ResourceExhaustedError
@@ -216,8 +217,7 @@ def _load_array(source, file_name, dtype_name, shape=None):
 
 def _load_entry(source, record):
     name, trainable, version = record["name"], record["trainable"], record["version"]
-    if not isinstance(name, str) or not isinstance(trainable, bool) or not (
-            isinstance(version, int) and version >= 0):
+    if not isinstance(name, str) or not isinstance(trainable, bool) or not is_integer(version, minimum=0):
         raise ValueError(f"bad variable record {record!r}")
     value = _load_array(source, record["file"], record["dtype"], record["shape"])
     entry = VariableEntry(name, make_variable(name, value, trainable), trainable, version)

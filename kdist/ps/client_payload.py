@@ -1,4 +1,9 @@
-"""Request payloads of `VariableClient`: gradients, assignments and row ids as codec frames."""
+"""Request payloads of `VariableClient`: gradients, assignments and row ids as codec frames.
+
+Stage 3 of a push (see `kdist.distribute.parameter_server.router`):
+`encode_gradient` turns a `DenseGradient` or `RowGradient` into its header
+entry and the arrays the codec then frames.
+"""
 
 import numpy as np
 
@@ -20,7 +25,8 @@ def ids_array(ids, what):
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-def gradient_payload(gradient):
+def encode_gradient(gradient):
+    """`(GradientMeta, [arrays])` of a `DenseGradient` or `RowGradient`, checked."""
     if isinstance(gradient, DenseGradient):
         array = codec.as_array(gradient.gradient, f"the gradient of {gradient.name!r}")
         meta = pb.GradientMeta(name=gradient.name, kind=pb.DENSE,
@@ -56,3 +62,7 @@ def assignment_payload(assignments):
         metas.append(pb.AssignmentMeta(name=assignment.name, value=codec.tensor_meta(array)))
         arrays.append(array)
     return metas, arrays
+
+
+# The name `kdist.ps.client` imports; the same function.
+gradient_payload = encode_gradient

@@ -133,6 +133,18 @@ def numpy_dtype(name):
     return np.dtype(found)
 
 
+def is_floating(dtype):
+    """Whether the NumPy `dtype` is a floating-point type, bfloat16 and float8 included.
+
+    Example:
+
+    >>> is_floating(numpy_dtype("bfloat16")), is_floating(np.dtype("int64"))
+    (True, False)
+    """
+    # bfloat16 and the float8 types (ml_dtypes) are not np.floating subclasses.
+    return np.issubdtype(dtype, np.floating) or "float" in dtype.name
+
+
 def to_numpy(tensor):
     """A NumPy array sharing memory with the CPU torch `tensor` (bfloat16 included, exactly)."""
     tensor = tensor.detach()

@@ -179,7 +179,7 @@ class VariableServicer:
                     f"{len(header.gradients)} gradient(s); push them instead."
                 )
             check_update_id(header.update_id)
-            plans.append(self.store.plan_push(
+            plans.append(self.store.plan_update(
                 [_gradient_spec(meta) for meta in header.gradients],
                 [(meta.name, *codec.parse_meta(meta.value, f"assignment to {meta.name!r}"))
                  for meta in header.assignments],
@@ -196,7 +196,7 @@ class VariableServicer:
         header, arrays = codec.read_stream(frames, layout, "push", allocate)
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
         try:
-            versions, rejected, staleness = self.store.apply_push(
+            versions, rejected, staleness = self.store.apply_update(
                 plans[0], arrays, count_push=gradients_allowed, update_id=header.update_id)
         finally:
             for array in arrays[: len(arrays) - len(plans[0].assignments)]:

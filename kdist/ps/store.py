@@ -12,6 +12,11 @@ read, entirely under it. Calls that need several variables at once take their
 locks in sorted name order, so they never deadlock. Requests are validated in
 full before anything changes (see `UpdatePlan`). A push that carries an update
 id is applied at most once (see `AppliedUpdateIds`).
+
+A push reaches the store as stage 6 of its way (see
+`kdist.distribute.parameter_server.router`): `plan_update` checks the
+servicer's `GradientSpec`s and assignments, `apply_update` applies the decoded
+arrays through each variable's `VariableOptimizer`.
 """
 
 import collections
@@ -22,7 +27,7 @@ import numpy as np
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
+from kdist.ps import codec, dtypes
 from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
 from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list
 from kdist.ps.update_ids import MAX_REMEMBERED_UPDATES, AppliedUpdateIds
@@ -35,7 +40,7 @@ __all__ = ["MAX_REMEMBERED_UPDATES", "AppliedUpdateIds", "GradientSpec", "Update
 
 @dataclasses.dataclass
 class GradientSpec:
-    """A gradient announced by a push header (validated by `VariableStore.plan_push`)."""
+    """A gradient announced by a push header (validated by `VariableStore.plan_update`)."""
 
     name: str
     rows: bool  # True: a RowGradient
@@ -146,7 +151,7 @@ class VariableStore:
                         f"{entry.dtype.name}, trainable={entry.trainable}. Received: shape="
                         f"{array.shape}, dtype={array.dtype.name}, trainable={trainable}."
                     )
-                if entry is None and trainable and not _is_floating(array.dtype):
+                if entry is None and trainable and not dtypes.is_floating(array.dtype):
                     raise InvalidArgumentError(
                         f"A trainable variable must have a floating-point dtype. Received: "
                         f"variable {name!r} with dtype {array.dtype.name}, trainable=True. "
@@ -194,7 +199,7 @@ class VariableStore:
 
     # -- Push ---------------------------------------------------------------------
 
-    def plan_push(self, gradients, assignment_layouts):
+    def plan_update(self, gradients, assignment_layouts):
         """Validates a push header; returns its `UpdatePlan`. Changes nothing.
 
         Args:
@@ -244,7 +249,7 @@ class VariableStore:
             layout.append((dtype, shape))
         return UpdatePlan(list(zip(gradients, gradient_entries)), assignment_entries, layout)
 
-    def apply_push(self, plan, arrays, count_push=True, update_id=""):
+    def apply_update(self, plan, arrays, count_push=True, update_id=""):
         """Applies a planned push's payload `arrays` (in layout order), at most once per id.
 
         Args:
@@ -268,21 +273,21 @@ class VariableStore:
             FailedPreconditionError: see `AppliedUpdateIds.claim`.
         """
         if not update_id:
-            return self._apply_push(plan, arrays, count_push)
+            return self._apply_update(plan, arrays, count_push)
         applied, result = self.update_ids.claim(update_id)
         if applied:
             return result
         try:
-            result = self._apply_push(plan, arrays, count_push)
+            result = self._apply_update(plan, arrays, count_push)
         except BaseException:
-            # _apply_push checks the whole push before it changes anything, so
+            # _apply_update checks the whole push before it changes anything, so
             # one that raised applied nothing: its id stays free for a retry.
             self.update_ids.release(update_id)
             raise
         self.update_ids.record(update_id, result)
         return result
 
-    def _apply_push(self, plan, arrays, count_push):
+    def _apply_update(self, plan, arrays, count_push):
         arrays = iter(arrays)
         dense = []
         for spec, entry in plan.gradients:
@@ -327,6 +332,10 @@ class VariableStore:
             self._applied_pushes += bool(applied and count_push)
         return versions, tuple(rejected), staleness
 
+    # Their names before the stages of a push were named; some tests still use them.
+    plan_push = plan_update
+    apply_push = apply_update
+
     # -- Counters -----------------------------------------------------------------
 
     def count_request(self, method):
@@ -368,14 +377,9 @@ def _check_layout(what, entry, dtype, shape, expected_shape):
         )
 
 
-def _is_floating(dtype):
-    # bfloat16 and the float8 types (ml_dtypes) are not np.floating subclasses.
-    return np.issubdtype(dtype, np.floating) or "float" in dtype.name
-
-
 def _check_finite(entry, values):
     # One vectorized pass per gradient (~0.3 ms per million float32 values).
-    if _is_floating(values.dtype) and not np.isfinite(values).all():
+    if dtypes.is_floating(values.dtype) and not np.isfinite(values).all():
         num_bad = int(values.size - np.count_nonzero(np.isfinite(values)))
         raise InvalidArgumentError(
             f"{entry.describe('The gradient of')} holds non-finite values. Received: "

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer
 
 
 def check_name(name, what="name"):
@@ -45,8 +46,7 @@ def check_update_id(update_id):
 
 
 def _check_version(version):
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)
-                                or version < 0):
+    if version is not None and not is_integer(version, minimum=0):
         raise InvalidArgumentError(
             f"A version must be None or an integer >= 0. Received: version={version!r}."
         )

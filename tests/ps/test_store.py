@@ -21,13 +21,13 @@ def servicer():
 
 
 def _push_ones(store):
-    plan = store.plan_push([GradientSpec("w", False, np.dtype("float32"), (1000,))], [])
-    return store.apply_push(plan, [np.ones(1000, "float32")])
+    plan = store.plan_update([GradientSpec("w", False, np.dtype("float32"), (1000,))], [])
+    return store.apply_update(plan, [np.ones(1000, "float32")])
 
 
 def _assign(store, value):
-    plan = store.plan_push([], [("w", value.dtype, value.shape)])
-    return store.apply_push(plan, [value])
+    plan = store.plan_update([], [("w", value.dtype, value.shape)])
+    return store.apply_update(plan, [value])
 
 
 def _decode(messages):
