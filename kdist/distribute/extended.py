@@ -80,6 +80,37 @@ class StrategyExtended:
     num_input_pipelines = 1
     input_pipeline_id = 0
 
+    # ----- roles (TensorFlow's names) -------------------------------------------
+    # Computed once here (`is_chief`, `drives_workers`); everything else, the
+    # Keras integration included, reads these instead of asking a rank itself.
+    @property
+    def is_chief(self):
+        """True for the task that writes checkpoints and summaries; one process is its own chief."""
+        return True
+
+    @property
+    def should_checkpoint(self):
+        """Whether this task writes checkpoints: the chief only."""
+        return self.is_chief
+
+    @property
+    def should_save_summary(self):
+        """Whether this task writes logs and summaries: the chief only."""
+        return self.is_chief
+
+    @property
+    def drives_workers(self):
+        """True where `model.fit` schedules work onto other tasks instead of training here.
+
+        Only a parameter-server strategy's coordinator does (TensorFlow 2's
+        `ClusterCoordinator` mode); every other strategy trains in place.
+        """
+        return False
+
+    should_init = True
+    experimental_should_init = True
+    experimental_between_graph = False
+
     @property
     def first_replica_id(self):
         """`replica_id_in_sync_group` of this process's first replica (0 in one process)."""
@@ -265,22 +296,11 @@ class StrategyExtended:
 
 
 class ChiefRoles:
-    """TensorFlow's role properties for a strategy whose job has one chief.
+    """Roles of a strategy whose job has one chief among several tasks (between-graph).
 
-    The class that mixes it in defines `is_chief`; only the chief writes
-    checkpoints and summaries, and every task initialises its own state.
+    The class that mixes it in defines `is_chief`; `StrategyExtended` derives
+    `should_checkpoint` and `should_save_summary` from it, and every task
+    initialises its own state.
     """
 
-    @property
-    def should_checkpoint(self):
-        """Whether this task writes checkpoints: the chief only."""
-        return self.is_chief
-
-    @property
-    def should_save_summary(self):
-        """Whether this task writes logs and summaries: the chief only."""
-        return self.is_chief
-
-    should_init = True
-    experimental_should_init = True
     experimental_between_graph = True

@@ -6,27 +6,24 @@ to that strategy; attaching installs overrides *on that instance only*:
 
 - `fit`, `evaluate`, `predict`, `*_on_batch`, `save`, `save_weights` re-enter
   the strategy's scope (lazily built models create their variables there);
-- with more than one replica, `make_train_function`/`make_test_function`/
-  `make_predict_function` return the replica engine's step functions;
-- the optimizer's `apply` records or merges gradients during replica steps
-  (`kdist.keras.replica.gradient_merge`, which also routes every optimizer class).
+- then the strategy's own Keras adapter (`kdist.keras.adapters.adapter_for`)
+  installs what the strategy changes (the replica engine's step functions,
+  parameter-server pushes and pulls), routes each scoped call, and sees every
+  variable created in the scope.
 
 The model's class is never changed, so a saved `.keras` file loads in plain
 Keras without kdist.
 """
 
 import functools
-import types
-import warnings
 
 from kdist import faults
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, resume_shuffle, sync_batchnorm
-from kdist.keras.parameter_server import worker_runtime as coordinator_runtime
-from kdist.keras.parameter_server import worker_steps as ps_training
-from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker
-from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
+from kdist.keras import _compat, adapters, resume_shuffle, sync_batchnorm
+from kdist.keras.parameter_server import adapter as parameter_server_adapter
+from kdist.keras.replica import adapter as replica_adapter
+from kdist.keras.replica import multi_worker
 
 _SCOPED_METHODS = (
     "fit",
@@ -47,12 +44,11 @@ def install():
     global _installed
     if _installed:
         return
-    # Workers started in this process rebuild Keras models, optimizers and metrics.
-    coordinator_runtime.install()
+    # Each strategy's Keras adapter (the most specific registration wins).
+    replica_adapter.install()
+    parameter_server_adapter.install()
     # BatchNormalization(synchronized=True) inside a kdist scope (torch only).
     sync_batchnorm.install()
-    # Every optimizer's `apply` records or merges when replicas call it.
-    gradient_merge.install()
     trainer = _compat.Trainer
     original_init = trainer.__init__
     original_compile = trainer.compile
@@ -88,7 +84,7 @@ def install():
         original_initialize(self, value)
         # The one point every variable passes through, whoever creates it.
         if context.has_strategy():
-            ps_training.on_variable_created(self, context.get_strategy())
+            adapters.adapter_for(context.get_strategy()).on_variable_created(self)
 
     trainer.__init__ = __init__
     trainer.compile = compile
@@ -142,30 +138,12 @@ def attach(model, strategy):
     context.bind_model(model, strategy)
     if not getattr(model, "_kdist_attached", False):
         for name in _SCOPED_METHODS:
-            _override(model, name, _scoped(model, name))
+            adapters.override(model, name, _scoped(model, name))
         object.__setattr__(model, "_kdist_attached", True)
-    if ps_training.is_parameter_server(strategy):
-        # Before the replica engine's wrapper, which then records around this one.
-        ps_training.connect_optimizer(model, strategy)
-    gradient_merge.wrap(getattr(model, "optimizer", None))
     if not faults.ACTIVE.upstream_ddp_wrap:
         # kdist decides how gradients are combined, on every role and strategy.
         _compat.keep_out_of_upstream_ddp(model)
-    if multi_worker.collectives_of(strategy) is not None and not faults.ACTIVE.upstream_metrics_result:
-        # Metrics are already combined across processes by kdist (see _compat).
-        _override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
-    if strategy.num_replicas_in_sync > 1:
-        engine = ReplicaEngine(model, strategy)
-        for kind in ("train", "test", "predict"):
-            _override(model, f"make_{kind}_function", _make_function(model, kind, engine))
-            # Drop step functions Keras may have built before the model was attached.
-            object.__setattr__(model, f"{kind}_function", None)
-    if ps_training.is_parameter_server(strategy):
-        ps_training.wrap_step_functions(model, strategy)
-
-
-def _override(model, name, function):
-    object.__setattr__(model, name, types.MethodType(function, model))
+    adapters.adapter_for(strategy).attach(model)
 
 
 def _scoped(model, name):
@@ -186,25 +164,8 @@ def _scoped(model, name):
             return call(self, strategy, args, kwargs)
 
     def call(self, strategy, args, kwargs):
-        collectives = multi_worker.collectives_of(strategy)
         with strategy.scope():
-            if ps_training.is_parameter_server(strategy):
-                return ps_training.scoped_call(method, self, name, args, kwargs)
-            if collectives is None:
-                return method(self, *args, **kwargs)
-            if name in ("save", "save_weights"):
-                filepath, *rest = args if args else (kwargs.pop("filepath"),)
-                return multi_worker.collective_save(strategy, method, self, filepath, rest, kwargs)
-            if name in ("fit", "evaluate", "predict"):
-                share = not faults.ACTIVE.unshared_random_state
-                args, kwargs = multi_worker.adjust_call(method, self, args, kwargs, strategy, share)
-                with multi_worker.input_synchronisation(collectives):
-                    result = method(self, *args, **kwargs)
-                if name == "fit":
-                    # Accumulated gradients still pending on each rank join the optimizer's.
-                    gradient_accumulation.flush(self)
-                return result
-            return method(self, *args, **kwargs)
+            return adapters.adapter_for(strategy).route_call(method, self, name, args, kwargs)
 
     functools.update_wrapper(scoped, method)
     return scoped
@@ -221,29 +182,3 @@ def _check_fit_batch_size(strategy, args, kwargs):
             f"must be at least {num_replicas}. Received: batch_size={batch_size}. Pass "
             f"batch_size=per_replica_batch * strategy.num_replicas_in_sync."
         )
-
-
-def _make_function(model, kind, engine):
-    step = getattr(engine, f"{kind}_function")
-    attribute = f"{kind}_function"
-
-    def make_function(self, force=False):
-        # Keras calls this at the start of every fit/evaluate/predict: the one
-        # point where layers or trainability may have changed since the last step.
-        engine.forget_layout()
-        current = getattr(self, attribute)
-        if current is not None and not force:
-            return current
-        check_steps_per_execution(self)
-        if self.jit_compile:
-            warnings.warn(
-                "jit_compile=True is turned off under MirroredStrategy with several "
-                "replicas: torch.compile cannot trace the replica engine's scopes. The "
-                "model trains eagerly.",
-                stacklevel=2,
-            )
-            self.jit_compile = False
-        object.__setattr__(self, attribute, step)
-        return step
-
-    return make_function

@@ -105,6 +105,11 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         return has_workers and resolver.task_type in (None, "chief")
 
     @property
+    def drives_workers(self):
+        """The coordinator (`is_coordinator`): its `model.fit` drives the workers instead of training."""
+        return self.is_coordinator
+
+    @property
     def is_chief(self):
         """True for the task that writes checkpoints and summaries.
 

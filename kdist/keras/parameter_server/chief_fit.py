@@ -16,7 +16,7 @@ Data: arrays, a `dataset_fn` (a generator function included), a
 Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
 parameter servers' state (weights and optimizer slots), each file written to a
 temporary file, fsynced and renamed into place (`kdist.keras.atomic_save`,
-installed by `kdist.keras.parameter_server.worker_steps.scoped_call`); the chief's
+installed by `kdist.keras.parameter_server.adapter`); the chief's
 `optimizer.iterations` counts the steps the closures applied. A tqdm bar shows
 steps, steps/s, and how many closures were retried after worker failures.
 """
@@ -33,7 +33,7 @@ from kdist.coordinator import ClusterCoordinator
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
 from kdist.keras.parameter_server.chief_data import EpochSource, IndexedBatches, split_validation
-from kdist.keras.parameter_server.worker_runtime import add_state
+from kdist.keras.parameter_server.describers import add_state
 
 _UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "validation_sample_weight")
 

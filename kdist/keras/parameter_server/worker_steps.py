@@ -18,7 +18,7 @@ What changes for a model attached to a parameter-server strategy:
   the parameter servers' current state and loads in plain Keras. Only the
   chief writes (others skip with a warning), atomically, `BackupAndRestore` too.
 
-Called from `kdist.keras.hooks`; the only Keras internals used come from
+Called from `kdist.keras.parameter_server.adapter`; the only Keras internals used come from
 `kdist.keras._compat`.
 """
 
@@ -43,19 +43,13 @@ def _current_step():
     return getattr(_local, "step", None)
 
 
-def is_parameter_server(strategy):
-    """True for a strategy whose variables live on parameter servers."""
-    return hasattr(strategy.extended, "variable_router")
-
-
 def on_variable_created(variable, strategy):
     """Places `variable` on the parameter servers unless Keras made it for an optimizer, metric or RNG.
 
     An optimizer created in scope is connected too (its first variable is
     born in its constructor), so a custom loop's `optimizer.apply` pushes.
+    Called for `ParameterServerStrategy` only (its `KerasAdapter`).
     """
-    if not is_parameter_server(strategy):
-        return
     owner = _compat.variable_owner()
     if _compat.is_model_variable(variable, owner):
         strategy.extended._on_variable_created(variable)
@@ -329,34 +323,13 @@ def _read_wrapper(function, session):
 
 
 # ----- fit / evaluate / predict / save ----------------------------------------------
-def scoped_call(method, model, name, args, kwargs):
-    """Runs `model.<name>` (already inside the strategy's scope) against the parameter servers."""
+def local_call(method, model, name, args, kwargs):
+    """Runs `model.<name>` (already inside the strategy's scope) on this process, against the parameter servers.
+
+    `kdist.keras.parameter_server.adapter` decides which calls come here (all
+    but the coordinator's `fit` and `evaluate`).
+    """
     session = session_of(model)
-    strategy = session.strategy
-    atomic_save.make_backups_atomic(method, model, name, args, kwargs)
-    if name in ("fit", "evaluate"):
-        from kdist.keras.parameter_server import chief_fit as coordinator_fit
-        from kdist.keras.parameter_server import worker_runtime as coordinator_runtime
-
-        if coordinator_runtime.is_coordinator_mode(strategy):
-            # The chief drives the workers; it trains nothing itself.
-            session.check_supported()
-            run = coordinator_fit.fit if name == "fit" else coordinator_fit.evaluate
-            try:
-                return run(model, strategy, *args, **kwargs)
-            finally:
-                session.pull(include_row_sparse=True)
-    if name in ("predict", "predict_on_batch", "test_on_batch", "train_on_batch"):
-        from kdist.keras.parameter_server import chief_fit as coordinator_fit
-
-        # `steps_per_execution` packs coordinator closures; the chief's own
-        # torch steps accept only 1.
-        with coordinator_fit.one_step_per_execution(model):
-            return _scoped_local_call(method, model, session, name, args, kwargs)
-    return _scoped_local_call(method, model, session, name, args, kwargs)
-
-
-def _scoped_local_call(method, model, session, name, args, kwargs):
     strategy = session.strategy
     if name in ("fit", "train_on_batch"):
         session.check_supported()

@@ -133,7 +133,7 @@ def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
     signature = inspect.signature(method)
     bound = signature.bind(model, *args, **kwargs)
     arguments = bound.arguments
-    is_chief = collectives.rank == 0
+    is_chief = strategy.extended.is_chief
     if not is_chief and "verbose" in signature.parameters:
         arguments["verbose"] = 0
     callbacks = arguments.get("callbacks")
@@ -148,30 +148,31 @@ def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
             if isinstance(callback, keras.callbacks.BackupAndRestore):
                 _make_backup_collective(callback, strategy)
             elif isinstance(callback, keras.callbacks.ModelCheckpoint):
-                _create_checkpoint_directory(callback, collectives)
+                _create_checkpoint_directory(callback, strategy)
         if method.__name__ == "fit" and share_random_state:
             callbacks.insert(0, SharedRandomState(collectives))
         arguments["callbacks"] = callbacks
     return bound.args[1:], bound.kwargs
 
 
-def _create_checkpoint_directory(callback, collectives):
+def _create_checkpoint_directory(callback, strategy):
     # ModelCheckpoint creates its directory with os.makedirs (no exist_ok) on
     # every rank; create it once, before training, so no rank races another.
     directory = os.path.dirname(str(callback.filepath))
     if directory and "{" not in directory and "://" not in directory:
-        run_on_chief(collectives, lambda: os.makedirs(directory, exist_ok=True), "checkpoint_directory")
+        run_on_chief(strategy, lambda: os.makedirs(directory, exist_ok=True), "checkpoint_directory")
 
 
 # ----- saving ----------------------------------------------------------------------
-def run_on_chief(collectives, write, name):
-    """Runs `write()` on rank 0 only; every rank returns once it finished.
+def run_on_chief(strategy, write, name):
+    """Runs `write()` on the chief (`strategy.extended.is_chief`) only; every rank returns once it finished.
 
     A failure on the chief is raised on the chief and reported on the other
     ranks as a `KdistError`, so no rank waits for a save that will not come.
     """
     error = None
-    if collectives.rank == 0:
+    collectives = collectives_of(strategy)
+    if strategy.extended.is_chief:
         try:
             write()
         except Exception as caught:  # noqa: BLE001 - re-raised below, after the others are told
@@ -187,7 +188,7 @@ def collective_save(strategy, save, model, filepath, args, kwargs):
     """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait."""
     gradient_accumulation.flush(model)  # the file holds the whole job's accumulated gradients
     write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
-    run_on_chief(collectives_of(strategy), write, f"save({os.fspath(filepath)})")
+    run_on_chief(strategy, write, f"save({os.fspath(filepath)})")
 
 
 def _make_backup_collective(callback, strategy):
@@ -197,7 +198,6 @@ def _make_backup_collective(callback, strategy):
     """
     if getattr(callback, "_kdist_collective", False):
         return
-    collectives = collectives_of(strategy)
     paths = _compat.backup_paths(callback)
 
     def write():
@@ -208,7 +208,7 @@ def _make_backup_collective(callback, strategy):
 
     def _save_model():
         gradient_accumulation.flush(callback.model)
-        run_on_chief(collectives, write, "BackupAndRestore")
+        run_on_chief(strategy, write, "BackupAndRestore")
 
     original_begin = callback.on_train_begin
     original_end = callback.on_train_end
@@ -222,7 +222,7 @@ def _make_backup_collective(callback, strategy):
                 _restore_random_state(saved)
 
     def on_train_end(logs=None):
-        run_on_chief(collectives, lambda: original_end(logs), "BackupAndRestore.on_train_end")
+        run_on_chief(strategy, lambda: original_end(logs), "BackupAndRestore.on_train_end")
 
     object.__setattr__(callback, "_save_model", _save_model)
     object.__setattr__(callback, "on_train_begin", on_train_begin)

@@ -45,7 +45,7 @@ class ProcessSync:
         self._collectives = collectives
         self.rank = collectives.rank
         self.world_size = collectives.world_size
-        self.holds_first_replica = collectives.rank == 0
+        self.holds_first_replica = strategy.extended.first_replica_id == 0
 
     # ----- splitting -----------------------------------------------------------
     def local_shards(self, batch, num_local):

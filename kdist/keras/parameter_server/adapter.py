@@ -1,0 +1,63 @@
+"""The Keras adapter of `ParameterServerStrategy`, and where each call of a model goes.
+
+A model attached to a parameter-server strategy first gets everything the
+replica engine does (`ReplicaAdapter`: several local devices train in sync),
+then the parameter-server wrappers of `kdist.keras.parameter_server.worker_steps`
+(the optimizer pushes, step functions pull first and push last).
+
+Routing (`ParameterServerAdapter.route_call`), decided here so that the
+worker's steps and the chief's driver never import each other:
+
+- on the coordinator (`strategy.extended.drives_workers`), `fit` and
+  `evaluate` schedule closures onto the workers
+  (`kdist.keras.parameter_server.chief_fit`);
+- everything else runs locally against the servers
+  (`kdist.keras.parameter_server.worker_steps.local_call`), one step per
+  execution for the single-batch calls and `predict`.
+"""
+
+from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
+from kdist.keras import adapters, atomic_save
+from kdist.keras.parameter_server import chief_fit, worker_runtime, worker_steps
+from kdist.keras.replica.adapter import ReplicaAdapter
+
+# Calls that run the chief's own torch steps, which accept one step per
+# execution only (`steps_per_execution` packs coordinator closures).
+_ONE_STEP_CALLS = ("predict", "predict_on_batch", "test_on_batch", "train_on_batch")
+
+
+class ParameterServerAdapter(ReplicaAdapter):
+    """`KerasAdapter` of `ParameterServerStrategy` (worker and coordinator alike)."""
+
+    def attach(self, model):
+        # Before the replica engine's wrapper, which then records around this one.
+        worker_steps.connect_optimizer(model, self.strategy)
+        super().attach(model)
+        # After the replica engine's overrides: pull first, push last around them.
+        worker_steps.wrap_step_functions(model, self.strategy)
+
+    def route_call(self, method, model, name, args, kwargs):
+        session = worker_steps.session_of(model)
+        strategy = session.strategy
+        atomic_save.make_backups_atomic(method, model, name, args, kwargs)
+        if name in ("fit", "evaluate") and strategy.extended.drives_workers:
+            # The chief drives the workers; it trains nothing itself.
+            session.check_supported()
+            run = chief_fit.fit if name == "fit" else chief_fit.evaluate
+            try:
+                return run(model, strategy, *args, **kwargs)
+            finally:
+                session.pull(include_row_sparse=True)
+        if name in _ONE_STEP_CALLS:
+            with chief_fit.one_step_per_execution(model):
+                return worker_steps.local_call(method, model, name, args, kwargs)
+        return worker_steps.local_call(method, model, name, args, kwargs)
+
+    def on_variable_created(self, variable):
+        worker_steps.on_variable_created(variable, self.strategy)
+
+
+def install():
+    """Registers `ParameterServerAdapter`; workers started in this process build Keras resources."""
+    worker_runtime.install()
+    adapters.register(ParameterServerStrategy, ParameterServerAdapter)
