@@ -39,10 +39,16 @@ import time
 import uuid
 
 from kdist.coordinator.closure_queue import Closure, ClosureQueue
-from kdist.coordinator.dispatcher import Dispatcher
+from kdist.coordinator.dispatcher import DispatchContext, Dispatcher
 from kdist.coordinator.remote_value import RemoteValue, to_numpy
 from kdist.coordinator.resources import Registry
-from kdist.errors import InvalidArgumentError, ParameterServerUnavailableError
+from kdist.errors import (
+    InvalidArgumentError,
+    ParameterServerError,
+    ParameterServerUnavailableError,
+    PeerAuthenticationError,
+)
+from kdist.validation import require_positive_integer, require_seconds
 
 # The coordinator asks every parameter server for its health this often, each
 # answer within the timeout (the bound on noticing a dead one adds both).
@@ -125,7 +131,7 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy, **kwargs):
-        existing = getattr(getattr(strategy, "extended", None), "_cluster_coordinator", None)
+        existing = getattr(getattr(strategy, "extended", None), "cluster_coordinator", None)
         if existing is not None:
             return existing
         return super().__new__(cls)
@@ -140,15 +146,12 @@ class ClusterCoordinator:
                 "ClusterCoordinator needs a kdist.ParameterServerStrategy. Received: "
                 f"strategy={strategy!r}."
             )
-        for name, value in (("worker_retry_seconds", worker_retry_seconds),
-                            ("ps_unavailable_seconds", ps_unavailable_seconds)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive number of seconds. Received: {value!r}.")
-        if (isinstance(closures_in_flight_per_worker, bool) or not isinstance(closures_in_flight_per_worker, int)
-                or closures_in_flight_per_worker < 1):
-            raise InvalidArgumentError(
-                "closures_in_flight_per_worker must be a positive integer. Received: "
-                f"{closures_in_flight_per_worker!r}.")
+        worker_retry_seconds = require_seconds("worker_retry_seconds", worker_retry_seconds)
+        # Infinite: never give up on a parameter server (workers still report theirs).
+        ps_unavailable_seconds = require_seconds("ps_unavailable_seconds", ps_unavailable_seconds,
+                                                 allow_infinite=True)
+        closures_in_flight_per_worker = require_positive_integer(
+            "closures_in_flight_per_worker", closures_in_flight_per_worker)
         spec = extended.cluster_resolver.cluster_spec()
         workers = spec.job_tasks("worker") if "worker" in spec.jobs else []
         if not workers or any(address is None for address in workers):
@@ -158,8 +161,8 @@ class ClusterCoordinator:
             )
         self._strategy = strategy
         self._security = extended.security
-        self._worker_retry_seconds = float(worker_retry_seconds)
-        self._ps_unavailable_seconds = float(ps_unavailable_seconds)
+        self._worker_retry_seconds = worker_retry_seconds
+        self._ps_unavailable_seconds = ps_unavailable_seconds
         self._closures_in_flight_per_worker = closures_in_flight_per_worker
         self._session_id = uuid.uuid4().hex
         self._registry = Registry(self)
@@ -168,13 +171,18 @@ class ClusterCoordinator:
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._dispatchers = [Dispatcher(self, index, address) for index, address in enumerate(workers)]
+        context = DispatchContext(
+            session_id=self._session_id, security=self._security, registry=self._registry,
+            queue=self._queue, stopped=self._stopped, metric_lock=self._metric_lock, count=self._count,
+            worker_retry_seconds=self._worker_retry_seconds,
+            closures_in_flight_per_worker=self._closures_in_flight_per_worker)
+        self._dispatchers = [Dispatcher(context, index, address) for index, address in enumerate(workers)]
         for dispatcher in self._dispatchers:
             for thread in dispatcher.threads:
                 thread.start()
         self._watchdog = threading.Thread(target=self._watch_parameter_servers, name="kdist-ps-watchdog", daemon=True)
         self._watchdog.start()
-        extended._cluster_coordinator = self
+        extended.attach_coordinator(self)
         self._initialized = True
 
     # ----- public API ---------------------------------------------------------------
@@ -272,8 +280,7 @@ class ClusterCoordinator:
         self._queue.stop()
         for dispatcher in self._dispatchers:
             dispatcher.close()
-        if getattr(self._strategy.extended, "_cluster_coordinator", None) is self:
-            self._strategy.extended._cluster_coordinator = None
+        self._strategy.extended.detach_coordinator(self)
 
     # ----- internals ----------------------------------------------------------------
     def _count(self, key, amount=1):
@@ -281,6 +288,14 @@ class ClusterCoordinator:
             self._stats[key] += amount
 
     def _watch_parameter_servers(self):
+        try:
+            self._watch_parameter_servers_until_stopped()
+        except Exception as error:
+            # Not a transport failure but a bug: join()/schedule() raise it (with
+            # its traceback) instead of the watch ending unseen in its thread.
+            self._queue.fail(error)
+
+    def _watch_parameter_servers_until_stopped(self):
         clients = self._strategy.extended.variable_router.clients
         failing_since = {}
         while not self._stopped.is_set():
@@ -294,6 +309,11 @@ class ClusterCoordinator:
                         self._queue.fail(ParameterServerUnavailableError(
                             client.address, self._ps_unavailable_seconds, error.detail,
                             elapsed_seconds=time.monotonic() - started))
-                except Exception:  # a refusal (e.g. a token mismatch) is not an outage
+                except (ParameterServerError, PeerAuthenticationError):
+                    # A refusal (e.g. a token mismatch) is not an outage.
                     failing_since.pop(client.address, None)
+                except ValueError:
+                    if client.closed:  # the strategy closed its clients: the chief is exiting
+                        return
+                    raise
             self._stopped.wait(PS_HEALTH_CHECK_SECONDS)

@@ -5,7 +5,9 @@ worker's closure goes back to the queue, a worker that lost its session gets
 its resources defined again, anything else fails the closure.
 """
 
+import dataclasses
 import threading
+from collections.abc import Callable
 
 import cloudpickle
 import grpc
@@ -13,8 +15,11 @@ import grpc
 from kdist.coordinator import payload
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
+from kdist.coordinator.closure_queue import ClosureQueue
 from kdist.coordinator.remote_value import RemoteValue, RemoteValueStatus
+from kdist.coordinator.resources import Registry
 from kdist.coordinator.worker_service import grpc_options
+from kdist.ps.security import Security
 from kdist.ps.watchdog import CallCancelled, watched_call
 from kdist.errors import (
     ParameterServerUnavailableError,
@@ -41,6 +46,36 @@ class _Redefine(Exception):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class DispatchContext:
+    """What the dispatchers of one `ClusterCoordinator` share; it builds this once.
+
+    The dispatchers read the coordinator only through this. Every member is
+    thread-safe or immutable.
+
+    Attributes:
+        session_id: the coordinator's session on every worker.
+        security: the `kdist.ps.Security` presented to the workers.
+        registry: the `kdist.coordinator.resources.Registry` of resources closures use.
+        queue: the `ClosureQueue` closures are taken from.
+        stopped: set when the coordinator shuts down.
+        metric_lock: held while a closure's metric state is merged into the chief's metrics.
+        count: `count(key)` adds one to the coordinator's `stats[key]`.
+        worker_retry_seconds: how often a lost worker is called again.
+        closures_in_flight_per_worker: closures sent to one worker at a time (one thread each).
+    """
+
+    session_id: str
+    security: Security
+    registry: Registry
+    queue: ClosureQueue
+    stopped: threading.Event
+    metric_lock: threading.Lock
+    count: Callable[[str], None]
+    worker_retry_seconds: float
+    closures_in_flight_per_worker: int
+
+
 class Dispatcher:
     """One worker: its channel, what it has defined, and the threads feeding it closures.
 
@@ -50,15 +85,14 @@ class Dispatcher:
     The threads share the worker's instance id and defined resources under a lock.
     """
 
-    def __init__(self, coordinator, index, address):
-        self.coordinator = coordinator
+    def __init__(self, context, index, address):
+        self.context = context
         self.index = index
         self.address = address
-        security = coordinator._security
         # A lost worker is called every `worker_retry_seconds`: its channel must
         # try to reconnect as often, not after gRPC's default backoff of up to
         # 120 s, or a restarted worker waits that long for work.
-        reconnect_ms = max(100, int(coordinator._worker_retry_seconds * 1000))
+        reconnect_ms = max(100, int(context.worker_retry_seconds * 1000))
         # `Security.channel` turns channel retries off: with them a call whose server
         # died could block past its deadline (a lost worker's closure is retried
         # elsewhere anyway).
@@ -67,7 +101,7 @@ class Dispatcher:
             ("grpc.max_reconnect_backoff_ms", reconnect_ms),
         ]
         # Proves the cluster secret and checks the worker's proof (kdist.ps.auth).
-        self._channel = security.channel(address, options)
+        self._channel = context.security.channel(address, options)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
         self._metadata = ()
         self.instance_id = None
@@ -79,19 +113,20 @@ class Dispatcher:
         self._lock = threading.Lock()
         self.threads = [
             threading.Thread(target=self._loop, name=f"kdist-dispatch-{index}-{slot}", daemon=True)
-            for slot in range(coordinator._closures_in_flight_per_worker)
+            for slot in range(context.closures_in_flight_per_worker)
         ]
 
     def close(self):
         self._channel.close()
 
     def _loop(self):
-        queue = self.coordinator._queue
-        while not self.coordinator._stopped.is_set():
+        context = self.context
+        queue = context.queue
+        while not context.stopped.is_set():
             with self._lock:
                 connected = self.instance_id is not None or self._connect()
             if not connected:
-                self.coordinator._stopped.wait(self.coordinator._worker_retry_seconds)
+                context.stopped.wait(context.worker_retry_seconds)
                 continue
             closure = queue.get()
             if closure is None:
@@ -103,10 +138,10 @@ class Dispatcher:
                     # The other threads' closures on this worker fail too: count the loss once.
                     if self.instance_id == getattr(error, "instance_id", self.instance_id):
                         self.failures += 1
-                        self.coordinator._count("worker_failures")
+                        context.count("worker_failures")
                         self.available = False
                         self.instance_id = None
-                self.coordinator._count("closures_retried")
+                context.count("closures_retried")
                 queue.put_back(closure)
                 continue
             except _Redefine:
@@ -115,7 +150,7 @@ class Dispatcher:
                 with self._lock:
                     self.instance_id = None
                     self.defined = None
-                self.coordinator._count("closures_retried")
+                context.count("closures_retried")
                 queue.put_back(closure)
                 continue
             except Exception as error:  # a fatal error: fail the closure, cancel the rest
@@ -134,19 +169,19 @@ class Dispatcher:
             return False
         except ValueError:
             # `shutdown()` closed the channel while this thread was between checks.
-            if self.coordinator._stopped.is_set():
+            if self.context.stopped.is_set():
                 self.available = False
                 return False
             raise
         except grpc.RpcError as error:
             if error.code() not in _WORKER_LOST:
-                self.coordinator._queue.fail(WorkerError(self.address, error.code().name, error.details()))
+                self.context.queue.fail(WorkerError(self.address, error.code().name, error.details()))
             self.available = False
             return False
         except PeerAuthenticationError as error:
             # Something that cannot prove the cluster secret answers at this worker's
             # address: nothing was sent to it; the job fails with the typed error.
-            self.coordinator._queue.fail(error)
+            self.context.queue.fail(error)
             self.available = False
             return False
         if response.instance_id != self.instance_id:
@@ -169,11 +204,12 @@ class Dispatcher:
             raise WorkerError(self.address, code.name, error.details()) from None
 
     def _process(self, closure):
-        coordinator = self.coordinator
+        context = self.context
+        registry = context.registry
         closure.attempts += 1
-        function_payload, referenced = coordinator._registry.dumps(
+        function_payload, referenced = registry.dumps(
             (closure.function, _resolve_remote_values(closure.args), _resolve_remote_values(closure.kwargs)))
-        needed = coordinator._registry.closure(referenced)
+        needed = registry.closure(referenced)
         with self._lock:
             instance_id = self.instance_id
             if instance_id is None:  # another thread lost the worker meanwhile
@@ -183,14 +219,14 @@ class Dispatcher:
             if missing or self.defined is None:
                 resources = []
                 for resource_id in missing:
-                    resource = coordinator._registry.get(resource_id)
+                    resource = registry.get(resource_id)
                     resources.append(pb.Resource(id=resource.id, kind=resource.kind, spec=resource.spec))
                 self._call(self._stub.Define, pb.DefineRequest(
-                    session_id=coordinator._session_id, instance_id=instance_id, resources=resources))
+                    session_id=context.session_id, instance_id=instance_id, resources=resources))
                 self.defined = defined | set(missing)
-        metric_ids = [resource_id for resource_id in needed if coordinator._registry.get(resource_id).merge is not None]
+        metric_ids = [resource_id for resource_id in needed if registry.get(resource_id).merge is not None]
         response = self._call(self._stub.Run, pb.RunRequest(
-            session_id=coordinator._session_id, instance_id=instance_id, closure_id=closure.id,
+            session_id=context.session_id, instance_id=instance_id, closure_id=closure.id,
             function=function_payload, metric_ids=metric_ids))
         if response.outcome == pb.RunResponse.PS_UNAVAILABLE:
             raise ParameterServerUnavailableError(
@@ -198,11 +234,11 @@ class Dispatcher:
         if response.outcome == pb.RunResponse.FUNCTION_ERROR:
             raise _rebuild_error(response, self.address)
         result = payload.loads(response.result)
-        with coordinator._metric_lock:
+        with context.metric_lock:
             for state in response.metrics:
-                resource = coordinator._registry.get(state.id)
+                resource = registry.get(state.id)
                 resource.merge(resource.obj, [payload.tensor_value(tensor) for tensor in state.variables])
-        coordinator._count("closures_done")
+        context.count("closures_done")
         closure.remote_value._set(RemoteValueStatus.READY, value=result)
 
 

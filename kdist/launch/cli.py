@@ -15,6 +15,7 @@ import sys
 import threading
 
 from kdist import __version__
+from kdist.cluster.address import MAX_PORT, is_port
 from kdist.errors import InvalidArgumentError
 from kdist.launch import job_secret, plans, server_cli
 from kdist.launch.cluster_file import parse_task
@@ -349,8 +350,8 @@ def _positive_seconds(text):
 
 def _port(text):
     value = _count(1)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 1..65535. Received: {value}.")
+    if not is_port(value):
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1..{MAX_PORT}. Received: {value}.")
     return value
 
 

@@ -8,6 +8,7 @@ resolver (kdist.cluster) does the full validation when the program starts.
 import json
 import re
 
+from kdist.cluster.address import is_port
 from kdist.errors import InvalidArgumentError
 
 _TASK_PATTERN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):([0-9]+)$")
@@ -117,4 +118,4 @@ def _is_address(address):
     host, separator, port = address.rpartition(":")
     if not separator or not host or not port.isdigit():
         return False
-    return 1 <= int(port) <= 65535
+    return is_port(int(port))

@@ -16,7 +16,7 @@ import sys
 import threading
 
 from kdist.cluster import ClusterSpec, TFConfigClusterResolver
-from kdist.cluster.spec import is_loopback, split_address
+from kdist.cluster.address import bind_endpoint, is_loopback, resolve_bind_address
 from kdist.cluster.tf_config import TF_CONFIG, load_tf_config
 from kdist.errors import InvalidArgumentError, KdistError
 from kdist.launch.cluster_file import check_task, load_cluster
@@ -148,12 +148,11 @@ def prepare(args, environ=None):
             "The chief runs the training program (with its ClusterCoordinator) and the "
             "evaluator runs kdist.SidecarEvaluator; neither serves."
         )
-    from kdist.distribute.server import resolve_bind_address
     from kdist.ps.secret import SECRET_ENV, SECRET_FILE_ENV, environment_secret
     from kdist.ps.security import Security, load_token
 
     task_address = cluster_spec.task_address(job_name, task_index)
-    _, port = split_address(task_address, f"cluster[{job_name!r}][{task_index}]", True)
+    _, port = bind_endpoint(task_address, f"cluster[{job_name!r}][{task_index}]")
     resolve_bind_address(args.bind, port)  # Fails here (exit 2) rather than at start.
     if (args.tls_cert is None) != (args.tls_key is None):
         raise InvalidArgumentError(
@@ -325,9 +324,9 @@ def _task(args, environ):
 
 
 def _exposure_warnings(plan, server):
-    host = server.bind_address.rpartition(":")[0].strip("[]")
-    task_host = plan.cluster_spec.task_address(plan.job_name, plan.task_index)
-    task_host = task_host.rpartition(":")[0].strip("[]")
+    host, _ = bind_endpoint(server.bind_address, "bind_address")
+    task_address = plan.cluster_spec.task_address(plan.job_name, plan.task_index)
+    task_host, _ = bind_endpoint(task_address, "task address")
     if is_loopback(host):
         if not is_loopback(task_host):
             yield (

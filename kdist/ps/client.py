@@ -340,6 +340,11 @@ class VariableClient:
         return {"status": response.status, "num_variables": response.num_variables,
                 "uptime_seconds": response.uptime_seconds, "pid": response.pid}
 
+    @property
+    def closed(self):
+        """True once `close()` was called: every call then raises `ValueError`."""
+        return self._closed.is_set()
+
     def close(self):
         """Closes the channel; calls in flight are cancelled."""
         self._closed.set()

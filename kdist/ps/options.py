@@ -1,9 +1,9 @@
 """`ServiceOptions`: the tunables of a variable-service server and client."""
 
 import dataclasses
-import math
 
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer, is_seconds
 
 # Tensors stream in messages of this many payload bytes. Measured on loopback
 # (64 MiB float32, grpcio 1.85): 1-2 MiB chunks are the fastest, 4-8 MiB are
@@ -99,8 +99,8 @@ class ServiceOptions:
     allow_non_finite_gradients: bool = False
 
     def __post_init__(self):
-        _check_int("chunk_bytes", self.chunk_bytes, minimum=1)
-        _check_int("max_message_bytes", self.max_message_bytes, minimum=1)
+        _check_int(self, "chunk_bytes", minimum=1)
+        _check_int(self, "max_message_bytes", minimum=1)
         if self.max_message_bytes < self.chunk_bytes + FRAMING_BYTES:
             raise InvalidArgumentError(
                 "max_message_bytes must leave room for one chunk and its framing "
@@ -113,13 +113,13 @@ class ServiceOptions:
                 "max_message_bytes must fit gRPC's 32-bit limit (2**31 - 1). Received: "
                 f"max_message_bytes={self.max_message_bytes}."
             )
-        _check_seconds("rpc_timeout_seconds", self.rpc_timeout_seconds)
-        _check_seconds("connect_timeout_seconds", self.connect_timeout_seconds, allow_zero=True)
+        _check_seconds(self, "rpc_timeout_seconds")
+        _check_seconds(self, "connect_timeout_seconds", allow_zero=True)
         if self.max_staleness is not None:
-            _check_int("max_staleness", self.max_staleness, minimum=0)
-        _check_int("max_workers", self.max_workers, minimum=2)
+            _check_int(self, "max_staleness", minimum=0)
+        _check_int(self, "max_workers", minimum=2)
         if self.max_concurrent_streams is not None:
-            _check_int("max_concurrent_streams", self.max_concurrent_streams, minimum=1)
+            _check_int(self, "max_concurrent_streams", minimum=1)
             if self.max_concurrent_streams >= self.max_workers:
                 raise InvalidArgumentError(
                     "ServiceOptions.max_concurrent_streams must be below max_workers, so "
@@ -127,8 +127,8 @@ class ServiceOptions:
                     f"max_concurrent_streams={self.max_concurrent_streams}, max_workers="
                     f"{self.max_workers}. Lower it or raise max_workers."
                 )
-        _check_int("max_streams_per_peer", self.max_streams_per_peer, minimum=1)
-        _check_seconds("stream_idle_seconds", self.stream_idle_seconds)
+        _check_int(self, "max_streams_per_peer", minimum=1)
+        _check_seconds(self, "stream_idle_seconds")
         if not isinstance(self.allow_non_finite_gradients, bool):
             raise InvalidArgumentError(
                 "ServiceOptions.allow_non_finite_gradients must be a bool. Received: "
@@ -155,22 +155,20 @@ class ServiceOptions:
         ]
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(options, name, minimum):
+    """Checks field `name` of `options`; stores it as a Python int (gRPC takes no NumPy ints)."""
+    value = getattr(options, name)
+    if not is_integer(value, minimum=minimum):
         raise InvalidArgumentError(
             f"ServiceOptions.{name} must be an integer >= {minimum}. "
             f"Received: {name}={value!r}."
         )
+    object.__setattr__(options, name, int(value))
 
 
-def _check_seconds(name, value, allow_zero=False):
-    valid = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value > 0 or (allow_zero and value == 0))
-    )
-    if not valid:
+def _check_seconds(options, name, allow_zero=False):
+    value = getattr(options, name)
+    if not is_seconds(value, allow_zero=allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidArgumentError(
             f"ServiceOptions.{name} must be a finite number of seconds {bound}. "

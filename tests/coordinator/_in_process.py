@@ -22,7 +22,7 @@ def cluster(num_workers=1, num_ps=1):
     try:
         yield resolver, strategy
     finally:
-        coordinator = strategy.extended._cluster_coordinator
+        coordinator = strategy.extended.cluster_coordinator
         if coordinator is not None:
             coordinator.shutdown()
         for server in servers:

@@ -72,3 +72,25 @@ def test_a_closure_pulls_only_the_variables_it_references(tmp_path):
     assert coordinator.fetch(values) == list(range(5))
     assert after_plain - before == 1
     assert after_model - after_plain == 3 + 1
+
+
+def test_a_programming_error_in_the_parameter_server_watch_is_raised_not_swallowed():
+    # Nothing listens: a scheduled closure stays queued until the watch's error fails the queue.
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    strategy = kdist.ParameterServerStrategy(
+        kdist.cluster.SimpleClusterResolver(cluster, task_type="chief", task_id=0))
+    [client] = strategy.extended.variable_router.clients
+
+    def broken_health(timeout=None):
+        raise TypeError("a bug in the health check")
+
+    client.health = broken_health
+    coordinator = kdist.coordinator.ClusterCoordinator(strategy, worker_retry_seconds=0.1)
+    try:
+        # schedule() raises it when the watch already failed, else join() does.
+        with pytest.raises(TypeError, match="a bug in the health check"):
+            coordinator.schedule(_functions.fail, args=("never runs",))
+            assert coordinator._queue.wait_idle(timeout=30)
+            coordinator.join()
+    finally:
+        coordinator.shutdown()

@@ -57,7 +57,7 @@ def test_fit_on_one_worker_equals_plain_keras(tmp_path):
         evaluated = model.evaluate(x_val, y_val, batch_size=32, verbose=0, return_dict=True)
         weights = model.get_weights()
         predictions = model.predict(x_val, verbose=0)
-        strategy.extended._cluster_coordinator.shutdown()
+        strategy.extended.cluster_coordinator.shutdown()
     plain = _plain(initial)
     plain_batch_logs = _BatchLogs()
     plain_history = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, validation_data=(x_val, y_val),
@@ -88,7 +88,7 @@ def test_fit_with_a_dataset_fn_needs_steps_per_epoch_and_shows_progress(tmp_path
         with pytest.raises(kdist.errors.UnsupportedError, match="class_weight"):
             model.fit(_functions.dataset_fn, epochs=1, steps_per_epoch=2, class_weight={0: 1.0})
         history = model.fit(_functions.dataset_fn, epochs=2, steps_per_epoch=4, verbose=1)
-        strategy.extended._cluster_coordinator.shutdown()
+        strategy.extended.cluster_coordinator.shutdown()
     assert len(history.history["loss"]) == 2
     progress = capsys.readouterr().err
     # tqdm: steps, steps/s, retried closures and available workers.
@@ -119,7 +119,7 @@ def test_fit_with_two_workers_two_ps_and_partitioned_variables_saves_the_ps_stat
                        keras.callbacks.ModelCheckpoint(checkpoint)])
         model.save(tmp_path / "final.keras")
         stats = cluster.ps_stats()
-        coordinator = strategy.extended._cluster_coordinator
+        coordinator = strategy.extended.cluster_coordinator
         coordinator_stats = coordinator.stats
         server_values = {
             key: value for client in strategy.extended.variable_router.clients

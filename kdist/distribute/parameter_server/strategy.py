@@ -87,6 +87,32 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         self._creation_paused = 0
         weakref.finalize(container_strategy, self.variable_router.close)
 
+    # ----- the coordinator (kdist.coordinator attaches itself) ------------------------
+    @property
+    def cluster_coordinator(self):
+        """The `kdist.coordinator.ClusterCoordinator` of this strategy, or None before one exists."""
+        return self._cluster_coordinator
+
+    def attach_coordinator(self, coordinator):
+        """Records `coordinator` as this strategy's one `ClusterCoordinator` (its constructor calls this).
+
+        Raises:
+            kdist.errors.InvalidArgumentError: another coordinator is attached;
+                `shutdown()` it first.
+        """
+        if self._cluster_coordinator is not None and self._cluster_coordinator is not coordinator:
+            raise InvalidArgumentError(
+                "A strategy has one ClusterCoordinator. Received: a second one while "
+                f"{self._cluster_coordinator!r} is attached. Use the attached one "
+                "(`ClusterCoordinator(strategy)` returns it) or shutdown() it first."
+            )
+        self._cluster_coordinator = coordinator
+
+    def detach_coordinator(self, coordinator):
+        """Forgets `coordinator` when it is the attached one (its `shutdown()` calls this)."""
+        if self._cluster_coordinator is coordinator:
+            self._cluster_coordinator = None
+
     # ----- roles (TensorFlow's names) -------------------------------------------------
     @property
     def is_coordinator(self):
