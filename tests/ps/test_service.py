@@ -1,12 +1,15 @@
 """The variable service end to end: a real server on a free port, a real client."""
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 from kdist.errors import InvalidArgumentError, ParameterServerError
-from kdist.ps import Assignment, DenseGradient, RowGradient, VariableInit
+from kdist.ps import Assignment, DenseGradient, RowGradient, Security, VariableInit, codec
+from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.methods import METHODS
 from tests.ps.conftest import sgd_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -119,16 +122,29 @@ def test_lookup_gathers_rows_of_several_variables(client, rng):
     np.testing.assert_array_equal(other_rows, other[[9]])
 
 
-@pytest.mark.parametrize("bad_request", [
-    [("table", np.array([50]))],
-    [("table", np.array([-1]))],
-    [("table", np.array([0.5]))],
-    [("missing", np.array([0]))],
+def _lookup_past_the_client(server, options, requests):
+    """Sends a Lookup of `requests` as given, over a raw channel: none of the client's own checks run."""
+    arrays = [np.ascontiguousarray(ids) for _, ids in requests]
+    header = pb.LookupHeader(items=[
+        pb.LookupItem(name=name, ids=codec.tensor_meta(ids)) for (name, _), ids in zip(requests, arrays)
+    ])
+    frames = codec.encode_stream(header, [codec.byte_view(ids) for ids in arrays], options.chunk_bytes)
+    with Security().channel(server.address) as channel:
+        return list(METHODS["Lookup"].callable(channel)(iter(frames), timeout=30))
+
+
+@pytest.mark.parametrize("bad_request, code", [
+    ([("table", np.array([50]))], grpc.StatusCode.INVALID_ARGUMENT),
+    ([("table", np.array([-1]))], grpc.StatusCode.INVALID_ARGUMENT),
+    ([("table", np.array([0.5]))], grpc.StatusCode.INVALID_ARGUMENT),
+    ([("missing", np.array([0]))], grpc.StatusCode.NOT_FOUND),
 ])
-def test_lookup_rejects_bad_ids(client, bad_request):
+def test_lookup_rejects_bad_ids(client, server, options, bad_request, code):
     _create(client, "table", np.zeros((50, 3), "float32"))
-    with pytest.raises((ParameterServerError, InvalidArgumentError)):
-        client.lookup(bad_request)
+    # The server itself refuses them: the request bypasses the client's checks.
+    with pytest.raises(grpc.RpcError) as refused:
+        _lookup_past_the_client(server, options, bad_request)
+    assert refused.value.code() == code
 
 
 @pytest.mark.parametrize("gradients, code", [
