@@ -18,10 +18,10 @@ This package reads the environment (`TF_CONFIG`, torchrun's variables) and
 imports neither Keras nor, except inside `num_accelerators()`, torch.
 """
 
+from kdist.cluster.address import parse_address
 from kdist.cluster.rendezvous import Rendezvous
 from kdist.cluster.resolve import local_cluster_resolver, resolve_cluster
 from kdist.cluster.resolvers import ClusterResolver, SimpleClusterResolver
-from kdist.cluster.address import parse_address
 from kdist.cluster.spec import ClusterSpec
 from kdist.cluster.tf_config import TFConfigClusterResolver
 from kdist.cluster.torchrun import TorchrunClusterResolver

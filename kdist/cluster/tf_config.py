@@ -16,13 +16,13 @@ import json
 import os
 from collections.abc import Mapping
 
+from kdist.cluster.address import parse_address
 from kdist.cluster.resolvers import (
     ClusterResolver,
     check_task_types,
     format_master_url,
     validate_task,
 )
-from kdist.cluster.address import parse_address
 from kdist.cluster.spec import ClusterSpec, field_item, normalize_cluster
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType

@@ -10,9 +10,9 @@ agent already hosts the TCPStore when it sets
 import os
 import re
 
-from kdist.cluster.resolvers import ClusterResolver, format_master_url
-from kdist.cluster.rendezvous import Rendezvous
 from kdist.cluster.address import MAX_PORT, format_address
+from kdist.cluster.rendezvous import Rendezvous
+from kdist.cluster.resolvers import ClusterResolver, format_master_url
 from kdist.cluster.spec import ClusterSpec
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType

@@ -19,8 +19,6 @@ from kdist.coordinator.closure_queue import ClosureQueue
 from kdist.coordinator.remote_value import RemoteValue, RemoteValueStatus
 from kdist.coordinator.resources import Registry
 from kdist.coordinator.worker_service import grpc_options
-from kdist.ps.security import Security
-from kdist.ps.watchdog import CallCancelled, watched_call
 from kdist.errors import (
     ParameterServerUnavailableError,
     PeerAuthenticationError,
@@ -29,6 +27,8 @@ from kdist.errors import (
     WorkerError,
     WorkerUnavailableError,
 )
+from kdist.ps.security import Security
+from kdist.ps.watchdog import CallCancelled, watched_call
 
 # Codes that mean "this worker is gone or could not answer": retry elsewhere.
 _WORKER_LOST = frozenset({

@@ -37,7 +37,11 @@ from kdist.coordinator import payload
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
 from kdist.coordinator.resources import RESOURCE_REFERENCE
-from kdist.errors import InvalidArgumentError, OutOfRangeError, ParameterServerUnavailableError
+from kdist.errors import (
+    InvalidArgumentError,
+    OutOfRangeError,
+    ParameterServerUnavailableError,
+)
 from kdist.ps.security import Security
 
 # Closures carry their batches (fit and evaluate on arrays), so messages are

@@ -5,7 +5,12 @@ import threading
 from kdist.cluster.address import parse_address
 from kdist.ps import client_retry, codec
 from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.client_payload import assignment_payload, gradient_payload, ids_array, variables_layout
+from kdist.ps.client_payload import (
+    assignment_payload,
+    gradient_payload,
+    ids_array,
+    variables_layout,
+)
 from kdist.ps.methods import METHODS
 from kdist.ps.optimizer_host import canonical_config
 from kdist.ps.options import ServiceOptions

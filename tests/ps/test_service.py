@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from kdist.errors import InvalidArgumentError, ParameterServerError
-from kdist.ps import Assignment, DenseGradient, RowGradient, Security, VariableInit, codec
+from kdist.errors import ParameterServerError
+from kdist.ps import (
+    Assignment,
+    DenseGradient,
+    RowGradient,
+    Security,
+    VariableInit,
+    codec,
+)
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.methods import METHODS
 from tests.ps.conftest import sgd_config
