@@ -10,73 +10,28 @@
   rows asked for.
 
 Neither holds values or other state, so both are as thread-safe as their reader
-(a `VariableReader`); every method makes at most one reader call.
+(a `VariableReader`, `kdist.distribute.parameter_server.variable_reader`);
+every method makes at most one reader call.
 """
 
+__all__ = ["RemoteVariable", "ShardReadError", "ShardedVariable", "VariableReader"]
+
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
-from kdist.distribute.parameter_server.placement import ShardPlacement, VariablePlacement
-from kdist.errors import InvalidArgumentError, KdistError
+from kdist.distribute.parameter_server.placement import VariablePlacement
+from kdist.distribute.parameter_server.variable_reader import (
+    ShardReadError,
+    VariableReader,
+    check_reader,
+    checked_array,
+    checked_results,
+)
+from kdist.errors import InvalidArgumentError
 from kdist.ps.dtypes import numpy_dtype
 from kdist.validation import is_integer
-
-
-class ShardReadError(KdistError, RuntimeError):
-    """A `VariableReader` answered with the wrong number or shape of arrays: a reader bug. Fatal."""
-
-
-@runtime_checkable
-class VariableReader(Protocol):
-    """Reads values held by parameter servers; implemented by the strategy.
-
-    Implementations should serve each call with one round of requests (one per
-    parameter server at most), and must be thread-safe if the variables are
-    used from several threads.
-    """
-
-    def read(self, shards: Sequence[ShardPlacement]) -> list[np.ndarray]:
-        """Returns the full value of each shard, in the order given."""
-        ...
-
-    def lookup(self, requests: Sequence[tuple[ShardPlacement, np.ndarray]]) -> list[np.ndarray]:
-        """Returns, for each `(shard, local_ids)`, the rows `value[local_ids]` of that shard.
-
-        `local_ids` are int64 row ids relative to the shard's first row.
-        """
-        ...
-
-
-def _check_reader(reader):
-    if not isinstance(reader, VariableReader):
-        raise InvalidArgumentError(
-            f"A remote variable needs a reader. Received: reader={reader!r}. Expected an "
-            "object with `read(shards)` and `lookup(requests)` methods (VariableReader)."
-        )
-    return reader
-
-
-def _checked_results(results, expected_count, method_name):
-    results = list(results)
-    if len(results) != expected_count:
-        raise ShardReadError(
-            f"VariableReader.{method_name} returned {len(results)} arrays for "
-            f"{expected_count} requests. Expected one array per request, in order."
-        )
-    return results
-
-
-def _checked_array(array, expected_shape, shard_name):
-    array = np.asarray(array)
-    if array.shape != tuple(expected_shape):
-        raise ShardReadError(
-            f"VariableReader returned an array of the wrong shape for shard {shard_name!r}. "
-            f"Received: shape={array.shape}. Expected shape={tuple(expected_shape)}."
-        )
-    return array
 
 
 def _ids_array(ids):
@@ -101,10 +56,10 @@ def _gather_rows(reader, placement, reader_shards, ids):
         unique_ids, inverse = np.unique(group.local_ids, return_inverse=True)
         requests.append((reader_shards[group.shard_index], unique_ids))
         inverses.append(inverse.reshape(-1))
-    results = _checked_results(reader.lookup(requests), len(requests), "lookup")
+    results = checked_results(reader.lookup(requests), len(requests), "lookup")
     output = None
     for (shard, unique_ids), inverse, group, rows in zip(requests, inverses, groups, results):
-        rows = _checked_array(rows, (len(unique_ids),) + row_shape, shard.name)
+        rows = checked_array(rows, (len(unique_ids),) + row_shape, shard.name)
         if output is None:
             output = np.empty((ids.size,) + row_shape, dtype=rows.dtype)
         output[group.positions] = rows[inverse]
@@ -182,7 +137,7 @@ class RemoteVariable(_DenseValueMixin):
             )
         self._placement = placement
         self._shard = placement.shards[shard_index]
-        self._reader = _check_reader(reader)
+        self._reader = check_reader(reader)
 
     @property
     def shard(self):
@@ -248,8 +203,8 @@ class RemoteVariable(_DenseValueMixin):
         Raises:
             ShardReadError: the reader answered with the wrong shape.
         """
-        (value,) = _checked_results(self._reader.read([self._shard]), 1, "read")
-        return _checked_array(value, self._shard.shape, self._shard.name)
+        (value,) = checked_results(self._reader.read([self._shard]), 1, "read")
+        return checked_array(value, self._shard.shape, self._shard.name)
 
     def embedding_lookup(self, ids):
         """Reads only the rows `ids` (relative to this view's first row).
@@ -312,7 +267,7 @@ class ShardedVariable(_DenseValueMixin):
                 f"placement={placement!r}. Expected a VariablePlacement of rank >= 1."
             )
         self._placement = placement
-        self._reader = _check_reader(reader)
+        self._reader = check_reader(reader)
         self._variables = [
             RemoteVariable(placement, reader, index) for index in range(placement.num_shards)
         ]
@@ -356,8 +311,8 @@ class ShardedVariable(_DenseValueMixin):
             ShardReadError: the reader answered with the wrong number or shape.
         """
         shards = self._placement.shards
-        values = _checked_results(self._reader.read(list(shards)), len(shards), "read")
-        values = [_checked_array(value, shard.shape, shard.name) for shard, value in zip(shards, values)]
+        values = checked_results(self._reader.read(list(shards)), len(shards), "read")
+        values = [checked_array(value, shard.shape, shard.name) for shard, value in zip(shards, values)]
         return np.concatenate(values, axis=0)
 
     def embedding_lookup(self, ids):

@@ -2,8 +2,11 @@
 
 The layer's `call` is replaced on that instance: it looks the batch's distinct
 ids up on the shards that own them (one request per server), builds the
-output from those rows, and — during a training step — records the rows so
-their gradients, and nothing else of the table, are pushed. The layer's class
+output from those rows (which shard owns which row is
+`kdist.distribute.parameter_server.rows`' business, behind
+`VariableRouter.lookup`), and — during a training step — records the rows so
+their gradients, and nothing else of the table, are sent
+(`VariableRouter.send_gradients`). The layer's class
 is untouched, so a saved model loads in plain Keras.
 """
 
@@ -29,7 +32,7 @@ def enable_row_lookups(model, session, current_step):
         _override_embedding_call(layer, entry, session.router, current_step)
 
 
-def _override_embedding_call(layer, entry, store, current_step):
+def _override_embedding_call(layer, entry, router, current_step):
     original_call = layer.call
 
     def call(inputs):
@@ -38,7 +41,7 @@ def _override_embedding_call(layer, entry, store, current_step):
             return original_call(inputs)
         flat = ids.reshape(-1).to(torch.int64)
         unique, inverse = torch.unique(flat, return_inverse=True)
-        rows, versions = store.lookup(entry, unique)
+        rows, versions = router.lookup(entry, unique)
         rows = rows.to(entry.variable.value.device)
         step = current_step()
         if step is not None and torch.is_grad_enabled() and layer.trainable:
