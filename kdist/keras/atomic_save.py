@@ -5,7 +5,7 @@
   Written directly, as Keras would, where one rename cannot cover the result:
   remote paths, `zipped=False` (a directory) and `max_shard_size` (several
   files); and when `overwrite=False` meets an existing file, so Keras can ask.
-- `write_backup`: what `BackupAndRestore._save_model` does, each file atomic:
+- `write_backup`: what `BackupAndRestore` saves (`_compat.patch_backup_save`), each file atomic:
   the `.bkp` copies (`double_checkpoint`), the weights, then the metadata.
 - `make_backups_atomic`: installs `write_backup` on the `BackupAndRestore`
   callbacks of a `fit` call (used under `ParameterServerStrategy`; the
@@ -56,7 +56,7 @@ def save(method, model, args, kwargs):
 
 
 def write_backup(callback, save_weights, extra_metadata=None):
-    """Writes what `BackupAndRestore._save_model` writes, each file atomically and durably.
+    """Writes what Keras' `BackupAndRestore` writes at each save, each file atomically and durably.
 
     Args:
         callback: a `keras.callbacks.BackupAndRestore` with a local `backup_dir`.
@@ -98,7 +98,7 @@ def make_backups_atomic(method, model, name, args, kwargs):
     for callback in callbacks or ():
         if (isinstance(callback, keras.callbacks.BackupAndRestore) and not getattr(callback, "_kdist_atomic", False)
                 and not atomic_files.is_remote(str(callback.backup_dir))):
-            object.__setattr__(callback, "_save_model", _atomic_save_model(callback))
+            _compat.patch_backup_save(callback, _atomic_save_model(callback))
             object.__setattr__(callback, "_kdist_atomic", True)
 
 

@@ -69,29 +69,22 @@ def install():
         attach(self, strategy)
         return result
 
-    original_get_iterator = _compat.TorchEpochIterator._get_iterator
-
-    @functools.wraps(original_get_iterator)
-    def _get_iterator(self):
+    def epoch_iterable(epoch_iterator, make_iterable):
         # No-ops unless a kdist model's fit (or a multi-worker call) runs in this thread.
-        resume_shuffle.align(self)
-        return multi_worker.synchronised_iterable(self, original_get_iterator(self))
+        resume_shuffle.align(epoch_iterator)
+        return multi_worker.synchronised_iterable(epoch_iterator, make_iterable())
 
-    original_initialize = _compat.TorchVariable._initialize
-
-    @functools.wraps(original_initialize)
-    def _initialize(self, value):
-        original_initialize(self, value)
+    def on_variable_created(variable):
         # The one point every variable passes through, whoever creates it.
         if context.has_strategy():
-            adapters.adapter_for(context.get_strategy()).on_variable_created(self)
+            adapters.adapter_for(context.get_strategy()).on_variable_created(variable)
 
     trainer.__init__ = __init__
     trainer.compile = compile
     for name in ("fit", "evaluate", "predict"):
         setattr(_compat.TorchTrainer, name, _refusing_unattached(getattr(_compat.TorchTrainer, name)))
-    _compat.TorchVariable._initialize = _initialize
-    _compat.TorchEpochIterator._get_iterator = _get_iterator
+    _compat.install_variable_hook(on_variable_created)
+    _compat.install_epoch_iterator_hook(epoch_iterable)
     _installed = True
 
 

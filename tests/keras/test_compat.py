@@ -1,7 +1,16 @@
-"""Pins every Keras internal kdist uses, so an upgrade that moves one fails loudly here."""
+"""Pins every Keras internal kdist uses, so an upgrade that moves one fails loudly here.
+
+Also guards the rule that makes the pins complete: only `kdist.keras._compat`
+imports `keras.src` or touches private attributes of Keras objects.
+"""
+
+import ast
+import pathlib
+import re
 
 import pytest
 
+import kdist.keras
 from kdist.keras import _compat
 
 
@@ -14,17 +23,134 @@ def test_keras_internal_is_still_there(name):
 
 
 def test_only_compat_imports_keras_internals():
-    import pathlib
     import re
 
-    package = pathlib.Path(_compat.__file__).parents[1]
+    package = KERAS_PACKAGE
     offenders = [
         str(path.relative_to(package))
         for path in package.rglob("*.py")
-        if path.name != "_compat.py"
+        if not _inside_compat(path)
         and re.search(r"^\s*(from|import)\s+keras\.src", path.read_text(), re.MULTILINE)
     ]
     assert offenders == []
+
+
+# ----- private attributes of Keras objects: only inside kdist.keras._compat -------------
+KERAS_PACKAGE = pathlib.Path(kdist.keras.__file__).parent
+KDIST_PACKAGE = KERAS_PACKAGE.parent
+
+# Private attributes that belong to kdist (or torch), not to Keras: the checker
+# cannot see types, so each one kdist touches from outside its own class is named here.
+KDIST_PRIVATE_ATTRIBUTES = {
+    # kdist.coordinator.ClusterCoordinator's resource registry: chief_data sends a PyDataset through it.
+    "_registry",
+    # ParameterServerExtended's placement hook, called for each model variable born in scope.
+    "_on_variable_created",
+    # StrategyExtended's element-wise sum over processes (custom loops' apply_gradients).
+    "_sum_tensors_over_processes",
+    # The JAX backend's strategy (kdist.backends.jax): the models it owns.
+    "_models",
+    # torch's fused list ops and a tensor's in-place version counter.
+    "_foreach_zero_",
+    "_foreach_div_",
+    "_version",
+}
+# Names that hold kdist objects by convention: the replica engine shares its
+# private state with the step helpers of kdist.keras.replica.
+KDIST_OBJECT_NAMES = {
+    "engine",  # a kdist.keras.replica.engine.ReplicaEngine
+    "previous",  # the ReplicaEngine a recompiled model had
+    "self._engine",  # the ReplicaEngine a helper belongs to
+    "overlap",  # a kdist.keras.replica.gradient_overlap.GradientOverlap
+    "self._overlap",
+}
+# Attributes kdist itself stores on Keras objects all start with this.
+KDIST_MARKER_PREFIX = "_kdist"
+_ACCESSORS = {"getattr", "setattr", "hasattr", "delattr", "__setattr__", "__getattribute__"}
+
+
+def _inside_compat(path):
+    return "_compat" in path.relative_to(KERAS_PACKAGE.parent).parts or path.name == "_compat.py"
+
+
+def _is_private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _allowed(base, name):
+    return (
+        base in ("self", "cls")
+        or base in KDIST_OBJECT_NAMES
+        or name.startswith(KDIST_MARKER_PREFIX)
+        or name in KDIST_PRIVATE_ATTRIBUTES
+    )
+
+
+def private_attribute_uses(source):
+    """`(line, "base._name")` for each private attribute read or written in `source` that is not allowed.
+
+    Counts `obj._name` in any position and `getattr`/`setattr`/`hasattr`/
+    `delattr`/`object.__setattr__` with a constant private name.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            base, name = ast.unparse(node.value), node.attr
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            function = node.func
+            called = getattr(function, "id", None) or getattr(function, "attr", None)
+            name_node = node.args[1]
+            if called not in _ACCESSORS or not isinstance(name_node, ast.Constant):
+                continue
+            if not isinstance(name_node.value, str) or not _is_private(name_node.value):
+                continue
+            base, name = ast.unparse(node.args[0]), name_node.value
+        else:
+            continue
+        if not _allowed(base, name):
+            found.append((node.lineno, f"{base}.{name}"))
+    return sorted(found)
+
+
+def _handles_keras_objects(path, source):
+    """Modules of kdist.keras, and any other kdist module that imports keras."""
+    return KERAS_PACKAGE in path.parents or re.search(r"^\s*(from|import)\s+keras\b", source, re.MULTILINE)
+
+
+def test_only_compat_touches_private_attributes_of_keras_objects():
+    offenders = []
+    for path in sorted(KDIST_PACKAGE.rglob("*.py")):
+        if "_generated" in path.parts or (KERAS_PACKAGE in path.parents and _inside_compat(path)):
+            continue
+        source = path.read_text()
+        if not _handles_keras_objects(path, source):
+            continue
+        for line, use in private_attribute_uses(source):
+            offenders.append(f"{path.relative_to(KDIST_PACKAGE.parent)}:{line}: {use}")
+    assert offenders == [], (
+        "Private attributes of Keras objects are read or written outside kdist.keras._compat; add a "
+        "helper there (pinned in PINNED_INTERNALS) and call it, or, for a kdist-owned attribute, "
+        "name it in this test's allow-list with why:\n" + "\n".join(offenders)
+    )
+
+
+def test_private_attribute_checker_catches_a_planted_violation():
+    planted = (
+        "def save(callback, model, optimizer, helper):\n"
+        "    callback._save_model = helper\n"  # write
+        "    variables = optimizer._trainable_variables\n"  # read
+        "    object.__setattr__(model, '_initialize_ddp', helper)\n"  # write through a string
+        "    getattr(model, '_loss_tracker', None)\n"  # read through a string
+        "    model._kdist_engine = helper\n"  # kdist's own marker: allowed
+        "    self._private = engine._model\n"  # self and a kdist object: allowed
+        "    return model.__class__\n"  # dunder: allowed
+    )
+    assert private_attribute_uses(planted) == [
+        (2, "callback._save_model"),
+        (3, "optimizer._trainable_variables"),
+        (4, "model._initialize_ddp"),
+        (5, "model._loss_tracker"),
+    ]
 
 
 def test_loss_reduction_denominator_is_the_divisor_keras_uses():

@@ -40,7 +40,7 @@ _UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "valida
 
 def coordinator_for(strategy):
     """The strategy's coordinator, created on first use."""
-    existing = strategy.extended._cluster_coordinator
+    existing = strategy.extended.cluster_coordinator
     return existing if existing is not None else ClusterCoordinator(strategy)
 
 

@@ -224,7 +224,7 @@ def _make_backup_collective(callback, strategy):
     def on_train_end(logs=None):
         run_on_chief(strategy, lambda: original_end(logs), "BackupAndRestore.on_train_end")
 
-    object.__setattr__(callback, "_save_model", _save_model)
+    _compat.patch_backup_save(callback, _save_model)
     object.__setattr__(callback, "on_train_begin", on_train_begin)
     object.__setattr__(callback, "on_train_end", on_train_end)
     object.__setattr__(callback, "_kdist_collective", True)

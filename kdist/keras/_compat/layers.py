@@ -1,0 +1,74 @@
+"""Keras layer internals: `BatchNormalization`'s moments (`kdist.keras.sync_batchnorm`) and float8 state."""
+
+import keras
+from keras.src.backend.common import stateless_scope as _stateless_scope_module
+
+PINNED = {
+    "BatchNormalization._moments": lambda: keras.layers.BatchNormalization._moments,
+    "BatchNormalization._reduction_axes": lambda: _probe_batchnorm()._reduction_axes,
+    "keras.src.backend.common.stateless_scope.in_stateless_scope": lambda: _stateless_scope_module.in_stateless_scope,
+    "Dense.outputs_grad_amax_history (float8)": lambda: _probe_float8_dense().outputs_grad_amax_history,
+}
+
+
+def _probe_batchnorm():
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 3))
+    if list(layer._reduction_axes) != [0]:
+        raise AttributeError("BatchNormalization._reduction_axes no longer lists the reduced axes")
+    return layer
+
+
+def batchnorm_reduction_axes(layer):
+    """The axes a built `BatchNormalization` reduces over for its batch statistics."""
+    return layer._reduction_axes
+
+
+def batchnorm_local_moments(layer, inputs, mask):
+    """`(mean, variance)` of `inputs` exactly as Keras' own unsynchronized `BatchNormalization` computes them."""
+    if mask is None:
+        return keras.ops.moments(inputs, axes=layer._reduction_axes, synchronized=False)
+    # Keras' masked branch never reads `layer.synchronized`.
+    return keras.layers.BatchNormalization._moments(layer, inputs, mask)
+
+
+def in_stateless_scope():
+    """True inside a `keras.StatelessScope` (variable writes are recorded there, not made)."""
+    return _stateless_scope_module.in_stateless_scope()
+
+
+def set_batchnorm_moments(layer, moments):
+    """Makes `layer.call` compute its training statistics with `moments(inputs, mask)`.
+
+    Installed on the instance only: every other `BatchNormalization` keeps Keras' code.
+    """
+    object.__setattr__(layer, "_moments", moments)
+
+
+# ----- float8 training state -------------------------------------------------------
+# A float8-quantized layer keeps its scales and amax histories as trainable
+# variables with `overwrite_with_gradient=True`: the "gradient" is the new value.
+def _probe_float8_dense():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 2))
+    layer.quantize("float8")
+    if not layer.outputs_grad_scale.overwrite_with_gradient:
+        raise AttributeError("float8 scales are no longer overwritten with their gradient")
+    return layer
+
+
+def output_gradient_float8_state(model):
+    """`(scale, amax history)` of the output gradients of every float8 layer in the model.
+
+    Unlike the inputs' and the kernel's, they follow the size of the gradient
+    reaching the layer's output, which depends on how the loss was scaled.
+    """
+    pairs = []
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "quantization_mode", None) != "float8":
+            continue
+        scale = getattr(layer, "outputs_grad_scale", None)
+        history = getattr(layer, "outputs_grad_amax_history", None)
+        if scale is not None and history is not None:
+            pairs.append((scale, history))
+    return pairs

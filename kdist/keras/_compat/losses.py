@@ -1,0 +1,85 @@
+"""Keras loss internals: observing every loss reduction and the divisor it uses."""
+
+import keras
+import numpy
+from keras.src.losses import loss as _loss_module
+
+PINNED = {
+    "keras.src.losses.loss.reduce_weighted_values": lambda: _loss_module.reduce_weighted_values,
+    "keras.src.losses.loss.squeeze_or_expand_to_same_rank": lambda: _loss_module.squeeze_or_expand_to_same_rank,
+    "keras.src.losses.loss.standardize_reduction": lambda: _loss_module.standardize_reduction,
+}
+
+# The divisor of a "sum_over_batch_size" loss.
+# Every `keras.losses.Loss.__call__` ends in `reduce_weighted_values`, looked up in
+# its module at call time; it folds the mask into the sample weights and divides
+# the weighted sum by the element count (or the weight sum). Wrapped once.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def install_loss_reduction_observer(observer):
+    """Calls `observer(values, sample_weight, mask, reduction, dtype)` at every Keras loss reduction.
+
+    Installed once per process (later calls with the same observer do nothing);
+    the observer itself must return at once when it has nothing to record.
+    """
+    current = _loss_module.reduce_weighted_values
+    if getattr(current, "_kdist_observer", None) is observer:
+        return
+    original = getattr(current, "_kdist_original", current)
+
+    def reduce_weighted_values(
+        values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
+    ):
+        observer(values, sample_weight, mask, reduction, dtype)
+        return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+
+    reduce_weighted_values._kdist_observer = observer
+    reduce_weighted_values._kdist_original = original
+    _loss_module.reduce_weighted_values = reduce_weighted_values
+
+
+def loss_reduction_denominator(values, sample_weight, mask, reduction, dtype):
+    """What a Keras loss reduction divides the weighted sum by, mirroring `reduce_weighted_values`.
+
+    Returns:
+        `(denominator, counts_elements)`: `denominator` is a 0-d float64 tensor
+        (still on its device: no host sync), `counts_elements` says it is the
+        plain element count (no mask, no sample-weight sum), which grows with
+        the batch size. `(None, False)` when the reduction divides by nothing
+        (`"sum"`, `"none"`, a scalar or empty value).
+    """
+    reduction = _loss_module.standardize_reduction(reduction)
+    if reduction not in _MEAN_REDUCTIONS + ("mean_with_sample_weight",):
+        return None, False
+    values = keras.ops.convert_to_tensor(values, dtype=dtype)
+    weights = None
+    if sample_weight is not None:
+        weights = keras.ops.cast(keras.ops.convert_to_tensor(sample_weight, dtype=dtype), values.dtype)
+    if mask is not None and (weights is not None or reduction == "mean_with_sample_weight"):
+        # As `apply_mask` for this reduction: the mask multiplies the weights.
+        mask_weight = keras.ops.cast(mask, values.dtype)
+        if weights is None:
+            weights = mask_weight
+        else:
+            mask_weight, weights = _loss_module.squeeze_or_expand_to_same_rank(mask_weight, weights)
+            weights = weights * mask_weight
+    shape = tuple(values.shape)
+    if weights is not None:
+        values, weights = _loss_module.squeeze_or_expand_to_same_rank(values, weights)
+        shape = tuple(numpy.broadcast_shapes(tuple(values.shape), tuple(weights.shape)))
+    if shape in ((), (0,)):
+        return None, False
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        return keras.ops.cast(keras.ops.sum(weights), "float64"), False
+    if mask is not None and reduction in _MEAN_REDUCTIONS:
+        # `apply_mask` scales valid entries by total/valid: the divisor is the valid count.
+        valid = keras.ops.sum(keras.ops.cast(keras.ops.cast(mask, "bool"), "float64"))
+        total = 1
+        for dim in mask.shape:
+            total *= int(dim)
+        return valid * (count / total), False
+    return keras.ops.convert_to_tensor(float(count), dtype="float64"), True

@@ -1,0 +1,37 @@
+"""Keras optimizer internals: the variables `apply` defaults to, step counts, accumulators, clipping."""
+
+import keras
+
+PINNED = {
+    "BaseOptimizer._clip_gradients": lambda: keras.optimizers.SGD()._clip_gradients,
+    "BaseOptimizer._trainable_variables": lambda: keras.optimizers.SGD()._trainable_variables,
+    "BaseOptimizer._iterations": lambda: keras.optimizers.SGD()._iterations,
+    "BaseOptimizer._accumulated_gradients": lambda: _probe_accumulating_optimizer()._accumulated_gradients,
+    "BaseOptimizer._get_variable_index": lambda: _probe_accumulating_optimizer()._get_variable_index,
+}
+
+
+def optimizer_trainable_variables(optimizer):
+    """The variables a built optimizer applies to when `apply` gets no variables."""
+    return optimizer._trainable_variables
+
+
+def optimizer_step_count(optimizer):
+    """How many times `apply` ran (`optimizer.iterations` counts applied updates only when accumulating)."""
+    return int(optimizer._iterations)
+
+
+def gradient_accumulators(optimizer, variables):
+    """The optimizer's gradient accumulators of `variables` (it accumulates; it is built)."""
+    return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+
+
+def _probe_accumulating_optimizer():
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    optimizer.build([keras.Variable(1.0)])
+    return optimizer
+
+
+def clip_gradients(optimizer, gradients):
+    """The optimizer's own `clipnorm`/`clipvalue`/`global_clipnorm` applied to `gradients`."""
+    return optimizer._clip_gradients(gradients)
