@@ -29,7 +29,8 @@ _PAYLOAD_TAG = 0x12  # field 2, length-delimited
 _MAX_DIMENSIONS = 32
 
 # The dtypes that travel, by canonical name (`kdist.ps.dtypes`); bfloat16 when
-# ml_dtypes is installed (it is a Keras dependency).
+# ml_dtypes is installed (it is a Keras dependency). For each of them the NumPy
+# dtype's `.name` is the canonical name, so headers carry `array.dtype.name`.
 SUPPORTED_DTYPES = {
     name: dtypes.numpy_dtype(name)
     for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32",
