@@ -29,11 +29,11 @@ import numpy as np
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.validation import is_integer
 from kdist.ps import codec, dtypes
 from kdist.ps.optimizer_host import VariableOptimizer
 from kdist.ps.status import NotFoundError, ResourceExhaustedError
 from kdist.ps.variable_entry import VariableEntry, make_variable
+from kdist.validation import is_integer
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "kdist.ps.checkpoint/1"

@@ -28,8 +28,8 @@ from kdist.ps.options import ServiceOptions
 from kdist.ps.status import FailedPreconditionError, cap_detail, name_list, status_code
 from kdist.ps.store import GradientSpec
 from kdist.ps.stream_guard import StreamGuard
-from kdist.ps.variable_entry import locked
 from kdist.ps.values import check_name, check_update_id
+from kdist.ps.variable_entry import locked
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from kdist.ps import codec, dtypes
 from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
 from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list
 from kdist.ps.update_ids import MAX_REMEMBERED_UPDATES, AppliedUpdateIds
-from kdist.ps.variable_entry import VariableEntry, locked, make_variable
 from kdist.ps.values import ServerStats, StalenessStats, VariableStats
+from kdist.ps.variable_entry import VariableEntry, locked, make_variable
 
 __all__ = ["MAX_REMEMBERED_UPDATES", "AppliedUpdateIds", "GradientSpec", "UpdatePlan",
            "VariableStore"]
