@@ -1,0 +1,135 @@
+"""The package's shape (docs/architecture.md): public surface, layers, module sizes.
+
+These read the source with `ast`; none imports a framework except the public
+surface checks, which run `python -m kdist` and the documented imports in
+fresh interpreters.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import kdist
+
+ROOT = pathlib.Path(kdist.__file__).parent
+
+# What `kdist.__all__` held when the layout was regrouped (issue 17). A name
+# added later goes here too; a name removed is an API break.
+PUBLIC_NAMES = [
+    "CommunicationOptions", "Compression", "CrossDeviceOps", "DistributedValues", "InputContext", "Mirrored",
+    "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp",
+    "ReductionToOneDevice", "ReplicaContext", "SidecarEvaluator", "Strategy", "StrategyExtended", "ValueContext",
+    "VariableAggregation", "cluster", "coordinator", "distribute", "errors", "get_cross_replica_context",
+    "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context", "nn", "partitioners", "ps",
+    "visible_gpus",
+]
+
+# Imports the docs show users (docs/*.md, README.md, examples/).
+DOCUMENTED_IMPORTS = [
+    "from kdist.distribute import ShardedVariable, RemoteVariable, Server, partitioners",
+    "from kdist.distribute.parameter_server import partitioners",
+    "from kdist.cluster import TFConfigClusterResolver, SimpleClusterResolver, ClusterSpec",
+    "from kdist.coordinator import ClusterCoordinator, PerWorkerDataset, RemoteValue",
+    "from kdist.ps import Security, ServiceOptions",
+    "from kdist.keras.sync_batchnorm import convert, is_synchronized",
+    "from kdist.keras.replica import loss_denominators",
+    "from kdist.launch.ports import free_port",
+    "from kdist.nn import compute_average_loss, scale_regularization_loss",
+    "import kdist.ps.regenerate",
+    "from kdist.errors import InvalidArgumentError, UnsupportedError",
+]
+
+# Layers (docs/architecture.md): a module imports only from its own package
+# or from a strictly lower layer.
+# `import kdist` itself is allowed anywhere: it is the lazy loader, and the
+# strategy and server CLI call `kdist._load()` at run time so that the Keras
+# hooks are installed however a program reached them.
+LAYERS = {
+    "kdist.errors": 0,
+    "kdist.types": 1, "kdist.faults": 1, "kdist.validation": 1, "kdist.atomic_files": 1, "kdist._backend": 1,
+    "kdist.cluster": 2, "kdist.collectives": 2,
+    "kdist.ps": 3,
+    "kdist.coordinator": 4,
+    "kdist.distribute": 5,
+    "kdist.nn": 6,
+    "kdist.keras": 7,
+    "kdist.backends": 8, "kdist.launch": 8,
+    "kdist.__main__": 9, "kdist": 9,
+}
+MAX_LINES = 400
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        if "_generated" in path.parts:
+            continue
+        parts = ("kdist",) + path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        yield name, path
+
+
+def _package(name):
+    """The layered unit a module belongs to: `kdist.<first part>`, or `kdist` itself."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else name
+
+
+def _imported(tree):
+    """(line, module) for every kdist module a tree imports, at any depth (function-level too)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names if alias.name.startswith("kdist"))
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("kdist"):
+            if node.module == "kdist":
+                yield from ((node.lineno, f"kdist.{alias.name}") for alias in node.names)
+            else:
+                yield node.lineno, node.module
+
+
+def test_public_names_are_unchanged():
+    assert sorted(kdist.__all__) == sorted(PUBLIC_NAMES)
+
+
+@pytest.mark.parametrize("statement", DOCUMENTED_IMPORTS)
+def test_documented_imports_work(statement):
+    result = subprocess.run([sys.executable, "-c", f"import kdist; {statement}"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_python_m_kdist_runs():
+    result = subprocess.run([sys.executable, "-m", "kdist", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "launch" in result.stdout and "server" in result.stdout
+
+
+def test_every_package_has_a_layer():
+    assert {_package(name) for name, _ in _modules()} <= set(LAYERS)
+
+
+def test_imports_flow_downward():
+    upward = []
+    for name, path in _modules():
+        own = _package(name)
+        for line, target in _imported(ast.parse(path.read_text())):
+            other = _package(target)
+            if target != "kdist" and other != own and other in LAYERS and LAYERS[other] >= LAYERS[own]:
+                upward.append(f"{path.relative_to(ROOT.parent)}:{line} imports {target} (layer {LAYERS[other]} "
+                              f"from layer {LAYERS[own]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_layer_check_catches_an_upward_import():
+    # Negative control: the checker sees a function-level import of a higher layer.
+    tree = ast.parse("def f():\n    from kdist.keras import hooks\n")
+    assert [target for _, target in _imported(tree)] == ["kdist.keras"]
+    assert LAYERS[_package("kdist.keras.hooks")] > LAYERS[_package("kdist.ps.client")]
+
+
+def test_no_module_is_over_the_size_limit():
+    long = {str(path.relative_to(ROOT.parent)): n for _, path in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
