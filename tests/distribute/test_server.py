@@ -1,5 +1,8 @@
 """Tests for `kdist.distribute.server.Server`: validation, lifecycle, and a real ps task."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -11,6 +14,20 @@ from kdist.errors import InvalidArgumentError, UnsupportedError
 
 JOIN_TIMEOUT = 10.0
 CLUSTER = {"ps": ["127.0.0.1:0", "localhost:2223"], "worker": ["127.0.0.1:2224"]}
+
+
+# -- Import cost ----------------------------------------------------------------------
+
+
+def test_import_kdist_distribute_does_not_load_grpc():
+    # A fresh interpreter: in this one, other tests have loaded gRPC already.
+    code = "import sys, kdist.distribute; print('grpc' in sys.modules)"
+    environment = dict(os.environ, KERAS_BACKEND="torch")
+    environment["PYTHONPATH"] = os.pathsep.join([os.getcwd(), environment.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, check=False,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False"
 
 
 # -- Validation (nothing is started) --------------------------------------------------
