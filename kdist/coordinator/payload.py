@@ -109,8 +109,5 @@ def tensor_value(message):
 
 
 def _torch_tensor(array):
-    tensor = dtypes.to_torch(array)
-    # A torch bfloat16 tensor inside a payload arrives as float32: the one
-    # exception to kdist.ps.dtypes' exact bfloat16, pinned by
-    # tests/coordinator/test_payload.py::test_bfloat16_and_scalars_round_trip.
-    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+    # bfloat16 included: a torch tensor arrives with the dtype it was sent with.
+    return dtypes.to_torch(array)

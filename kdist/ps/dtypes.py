@@ -15,10 +15,6 @@ and back through a same-size integer view of its bits (`to_numpy`,
 `to_torch`: no copy, no rounding). A format that cannot hold the type (an
 `.npy` file) stores those integer bits (`storable`) and records the
 canonical name beside them to read them back (`from_storable`).
-
-One exception, kept because a test pins it: a torch bfloat16 tensor inside a
-coordinator payload (`kdist.coordinator.payload`) arrives as float32. A NumPy
-bfloat16 array there arrives exactly.
 """
 
 from typing import NamedTuple

@@ -28,7 +28,7 @@ def test_bfloat16_and_scalars_round_trip():
     scalar = np.float32(2.5)
     zero_d = np.array(7, dtype="int32")
     restored = payload.loads(payload.dumps((tensor, scalar, zero_d)))
-    assert restored[0].dtype == torch.float32 and restored[0].tolist() == [1.5, -2.0]
+    assert restored[0].dtype == torch.bfloat16 and restored[0].tolist() == [1.5, -2.0]
     assert restored[1] == scalar
     assert restored[2].shape == () and int(restored[2]) == 7
 
