@@ -16,6 +16,7 @@
   becomes the same shards on every backend.
 """
 
+import abc
 import contextlib
 
 from kdist.distribute import context
@@ -82,7 +83,7 @@ class BackendReplicaContext(context.ReplicaContext):
         return (self._device,)
 
 
-class BackendStrategy(Strategy):
+class BackendStrategy(Strategy, metaclass=abc.ABCMeta):
     """`kdist.Strategy` on a backend other than torch: the same API over the backend's primitives.
 
     Everything users call is `Strategy`'s. Subclasses implement `_backend_run`,
@@ -117,24 +118,26 @@ class BackendStrategy(Strategy):
         return self._per_replica(values)
 
     # ----- the backend's primitives ---------------------------------------------
+    @abc.abstractmethod
     def _backend_run(self, fn, args, kwargs):
         """Calls `fn(*args, **kwargs)` once per local replica in its replica context; regrouped results."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _backend_reduce(self, reduce_op, value, axis):
         """Reduces one leaf across replicas (and along `axis`) to the host."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _gather_leaf(self, value, axis):
-        raise NotImplementedError
+        """Gathers one leaf's replica components along `axis` on the host."""
 
+    @abc.abstractmethod
     def _local_results(self, value):
-        raise NotImplementedError
+        """The tuple of `value`'s components on this process's replicas."""
 
+    @abc.abstractmethod
     def _per_replica(self, values):
         """The backend's distributed value of one structure per local replica, in replica order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _is_distributed(self, value):
         """Whether `value` is the backend's distributed value (not a plain one)."""
-        raise NotImplementedError
