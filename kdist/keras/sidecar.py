@@ -7,15 +7,12 @@
 - **Checkpoint**: one file in that directory whose name matches the evaluator's patterns
   (`ModelCheckpoint` writes `*.keras` or `*.weights.h5`; `BackupAndRestore` rewrites
   `latest.weights.h5`). Its identity is `(path, mtime_ns, size)`: a file rewritten at the
-  same path is a new checkpoint.
-- **Stable**: a checkpoint whose identity did not change between two polls. kdist's
-  chief replaces files atomically (`kdist.atomic_files`), but other writers (plain
-  Keras, user code) may write in place, so only stable files are loaded.
+  same path is a new checkpoint. Only stable files (same identity over two polls) are
+  loaded: `kdist.keras.checkpoint_watch` finds them.
 - **Evaluation record**: what one evaluation produced; also written beside the
   checkpoint as `<checkpoint>.eval.json`.
 """
 
-import fnmatch
 import json
 import logging
 import numbers
@@ -29,6 +26,7 @@ import keras
 from kdist import atomic_files
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError
+from kdist.keras.checkpoint_watch import EVALUATION_SUFFIX, CheckpointWatch, identity_of
 from kdist.validation import is_integer, is_seconds
 
 logger = logging.getLogger("kdist.sidecar")
@@ -36,12 +34,6 @@ logger = logging.getLogger("kdist.sidecar")
 # A checkpoint that fails to load this many times, without changing on disk, is
 # corrupt rather than half-written: the writer would have changed its size or mtime.
 MAX_LOAD_ATTEMPTS = 3
-
-EVALUATION_SUFFIX = ".eval.json"
-
-# Names starting with "." are temporary files: kdist's chief and this module
-# write `.kdist-tmp-<pid>-<random>-<name>` and rename it into place (`kdist.atomic_files`).
-_HIDDEN_PREFIX = "."
 
 
 class SidecarEvaluator:
@@ -136,7 +128,7 @@ class SidecarEvaluator:
             raise _invalid("poll_interval", poll_interval, "a number of seconds > 0")
         if timeout is not None and not is_seconds(timeout, allow_infinite=True):
             raise _invalid("timeout", timeout, "a number of seconds > 0, or None to wait forever")
-        self._patterns = _check_patterns(pattern)
+        patterns = _check_patterns(pattern)
         self._callbacks = _check_callbacks(callbacks)
 
         self.model = model
@@ -149,11 +141,7 @@ class SidecarEvaluator:
         self._data = None
         self._stopped = threading.Event()
         self._records = []
-        self._poll_count = 0
-        # path -> (identity, poll it was first seen with that identity)
-        self._sightings = {}
-        # path -> identity last evaluated or skipped there (older ones are gone from disk)
-        self._finished = {}
+        self._watch = CheckpointWatch(checkpoint_dir, patterns)
         # path -> (identity, failed loads of that identity)
         self._failures = {}
 
@@ -182,7 +170,7 @@ class SidecarEvaluator:
         """
         last_news = time.monotonic()
         while not self._stopped.is_set() and not self._done():
-            stable, news = self._poll()
+            stable, news = self._watch.poll()
             if news:
                 last_news = time.monotonic()
             for identity in stable:
@@ -205,63 +193,11 @@ class SidecarEvaluator:
     def _done(self):
         return self.max_evaluations is not None and len(self._records) >= self.max_evaluations
 
-    def _poll(self):
-        """Looks at the directory once.
-
-        Returns:
-            `(stable, news)`: identities that are stable and not yet finished, oldest
-            first; and whether an unfinished identity appeared since the last poll.
-        """
-        self._poll_count += 1
-        current = {}
-        for path in self._checkpoint_paths():
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:
-                continue  # Deleted between listing and stat.
-            current[path] = (path, stat.st_mtime_ns, stat.st_size)
-        news = False
-        stable = []
-        for path, identity in current.items():
-            if self._finished.get(path) == identity:
-                continue
-            seen = self._sightings.get(path)
-            if seen is None or seen[0] != identity:
-                self._sightings[path] = (identity, self._poll_count)
-                news = True
-            elif seen[1] < self._poll_count:
-                stable.append(identity)
-        for path in list(self._sightings):
-            if path not in current:
-                del self._sightings[path]
-        stable.sort(key=lambda identity: (identity[1], identity[0]))
-        return stable, news
-
-    def _checkpoint_paths(self):
-        try:
-            entries = list(os.scandir(self.checkpoint_dir))
-        except (FileNotFoundError, NotADirectoryError):
-            return []  # Not made yet: the chief creates it with its first checkpoint.
-        paths = []
-        for entry in entries:
-            name = entry.name
-            if name.startswith(_HIDDEN_PREFIX) or name.endswith(EVALUATION_SUFFIX):
-                continue
-            if not any(fnmatch.fnmatch(name, pattern) for pattern in self._patterns):
-                continue
-            try:
-                if not entry.is_file():
-                    continue
-            except OSError:
-                continue
-            paths.append(entry.path)
-        return sorted(paths)
-
     # ----- one checkpoint -------------------------------------------------------------
     def _evaluate(self, identity):
         """Loads and evaluates one stable checkpoint. Returns True when it was evaluated."""
         path, mtime_ns, _ = identity
-        if _identity_of(path) != identity:
+        if identity_of(path) != identity:
             return False  # Rewritten or removed since the poll; a later poll sees the new file.
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built and self.model.built:
@@ -274,11 +210,11 @@ class SidecarEvaluator:
         # ValueError depending on the format and where the bytes stop: any of them
         # means "not loadable now", and none must stop the evaluator.
         except Exception as error:  # noqa: BLE001
-            if _identity_of(path) != identity:
+            if identity_of(path) != identity:
                 return False  # Being rewritten: not this file's fault.
             self._record_failure(identity, error)
             return False
-        if _identity_of(path) != identity:
+        if identity_of(path) != identity:
             return False  # Changed while it was read: the weights may be torn.
 
         if self._data is None:
@@ -297,7 +233,7 @@ class SidecarEvaluator:
             "time": time.time(),
         }
         atomic_files.write_text(path + EVALUATION_SUFFIX, json.dumps(document, indent=2))
-        self._finished[path] = identity
+        self._watch.finish(identity)
         self._failures.pop(path, None)
         self._records.append(dict(document, path=path))
         line = f"SidecarEvaluator: evaluated {name}: " + " ".join(
@@ -314,7 +250,7 @@ class SidecarEvaluator:
         self._failures[path] = (identity, count)
         logger.debug("Loading %s failed (attempt %d): %r", path, count, error)
         if count >= MAX_LOAD_ATTEMPTS:
-            self._finished[path] = identity
+            self._watch.finish(identity)
             del self._failures[path]
             warnings.warn(
                 f"SidecarEvaluator: skipping checkpoint {path}: it failed to load {count} times "
@@ -327,14 +263,6 @@ class SidecarEvaluator:
 
 
 # ----- helpers --------------------------------------------------------------------------
-def _identity_of(path):
-    try:
-        stat = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (path, stat.st_mtime_ns, stat.st_size)
-
-
 def _evaluate_model(model, data, steps, callbacks):
     kwargs = dict(steps=steps, return_dict=True, verbose=0, callbacks=callbacks)
     # Keras reads a tuple of arrays as a model with several inputs, so `(x, y)` is unpacked.
