@@ -194,6 +194,14 @@ def test_extended_devices(strategy):
     assert repr(strategy) == "MirroredStrategy(devices=['cpu:0', 'cpu:1'])"
 
 
+def test_one_process_strategies_are_their_own_chief(strategy):
+    """Roles are computed on the extended once; one process checkpoints and trains in place."""
+    for extended in (strategy.extended, kdist.get_strategy().extended):
+        assert extended.is_chief and extended.should_checkpoint and extended.should_save_summary
+        assert not extended.drives_workers
+        assert extended.should_init and not extended.experimental_between_graph
+
+
 def test_reduce_to_one_or_several_destinations(strategy):
     values = kdist.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])])
     extended = strategy.extended
