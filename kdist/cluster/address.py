@@ -20,6 +20,7 @@ import ipaddress
 import re
 
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer
 
 MAX_PORT = 65535
 # Where a server listens unless told otherwise: reachable from this host only,
@@ -32,9 +33,7 @@ _PORT_PATTERN = re.compile(r"[0-9]+")
 
 def is_port(value, allow_zero=False):
     """Whether `value` is a TCP port: an integer (not a bool) in 1..65535, or 0..65535 with `allow_zero`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        return False
-    return (0 if allow_zero else 1) <= value <= MAX_PORT
+    return is_integer(value, 0 if allow_zero else 1, MAX_PORT)
 
 
 def split_address(address, field_name="address", allow_port_zero=False):

@@ -12,6 +12,7 @@ from kdist.cluster.address import MAX_PORT, split_address
 from kdist.cluster.spec import field_item
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType
+from kdist.validation import is_integer
 
 # Synchronous training ranks these jobs, in this order; chief:0 is rank 0.
 RANKED_JOBS = (TaskType.CHIEF.value, TaskType.WORKER.value)
@@ -58,7 +59,7 @@ class Rendezvous:
     def __post_init__(self):
         for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_integer(value, minimum=0):
                 raise InvalidArgumentError(
                     f"Rendezvous fields are non-negative integers. Received: {name}={value!r}."
                 )

@@ -12,6 +12,7 @@ from kdist.cluster.rendezvous import cluster_rendezvous
 from kdist.cluster.spec import ClusterSpec
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType
+from kdist.validation import is_integer
 
 
 def check_task_types(task_type, task_id, type_field="task_type", id_field="task_id"):
@@ -27,9 +28,7 @@ def check_task_types(task_type, task_id, type_field="task_type", id_field="task_
             f"A task type must be a job name. Received: {type_field}={task_type!r}. "
             "Expected a string such as 'worker'."
         )
-    if task_id is not None and (
-        not isinstance(task_id, int) or isinstance(task_id, bool) or task_id < 0
-    ):
+    if task_id is not None and not is_integer(task_id, minimum=0):
         raise InvalidArgumentError(
             f"A task index must be a non-negative integer. Received: {id_field}={task_id!r}. "
             "Expected an int such as 0 (not a string or a bool)."
@@ -241,9 +240,7 @@ class SimpleClusterResolver(ClusterResolver):
             isinstance(num_accelerators, dict)
             and all(
                 isinstance(kind, str)
-                and isinstance(count, int)
-                and not isinstance(count, bool)
-                and count >= 0
+                and is_integer(count, minimum=0)
                 for kind, count in num_accelerators.items()
             )
         ):

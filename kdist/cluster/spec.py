@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 
 from kdist.errors import InvalidArgumentError
+from kdist.validation import is_integer
 
 _INDEX_PATTERN = re.compile(r"[0-9]+")
 
@@ -113,8 +114,8 @@ def _job_tasks(tasks, job_field):
 
 
 def _task_index(key):
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key if key >= 0 else None
+    if is_integer(key):
+        return int(key) if key >= 0 else None
     if isinstance(key, str) and _INDEX_PATTERN.fullmatch(key):
         return int(key)
     return None
@@ -199,8 +200,7 @@ class ClusterSpec:
         """
         tasks = self._tasks_of(job_name)
         if (
-            not isinstance(task_index, int)
-            or isinstance(task_index, bool)
+            not is_integer(task_index)
             or task_index not in tasks
         ):
             raise InvalidArgumentError(

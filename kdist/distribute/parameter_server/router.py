@@ -51,7 +51,7 @@ import numpy as np
 
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
-from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit, dtypes
+from kdist.ps import Assignment, DenseGradient, RowGradient, VariableInit, dtypes
 from kdist.ps.values import check_update_id
 
 __all__ = ["Route", "RouteReader", "VariableRouter"]
@@ -67,6 +67,9 @@ class VariableRouter:
     """
 
     def __init__(self, addresses, options=None, security=None):
+        # Imported here: the client loads gRPC, which `import kdist.distribute` must not.
+        from kdist.ps.client import VariableClient
+
         self._clients = [VariableClient(address, options=options, security=security) for address in addresses]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self._clients)), thread_name_prefix="kdist-ps"
