@@ -80,6 +80,10 @@ class StrategyExtended:
     num_input_pipelines = 1
     input_pipeline_id = 0
 
+    # The job's `kdist.collectives.process.ProcessCollectives` when it spans
+    # processes (`MultiWorkerExtended` sets it); None in one process.
+    collectives = None
+
     # ----- roles (TensorFlow's names) -------------------------------------------
     # Computed once here (`is_chief`, `drives_workers`); everything else, the
     # Keras integration included, reads these instead of asking a rank itself.

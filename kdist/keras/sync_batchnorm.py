@@ -299,7 +299,7 @@ def _merge_sums(strategy, per_replica):
     total = components[0].clone()
     for component in components[1:]:
         total += component
-    collectives = getattr(strategy.extended, "collectives", None)
+    collectives = strategy.extended.collectives
     if collectives is not None:
         (total,) = collectives.all_reduce_sum([total], name="sync_batchnorm")
         total = total.to(_HOST)

@@ -37,7 +37,7 @@ _active = threading.local()
 
 def collectives_of(strategy):
     """The strategy's `ProcessCollectives` when it spans processes, else None."""
-    return getattr(strategy.extended, "collectives", None)
+    return strategy.extended.collectives
 
 
 # ----- input ------------------------------------------------------------------

@@ -31,7 +31,7 @@ from kdist.keras import _compat
 
 def for_strategy(strategy):
     """A `ProcessSync` when `strategy` spans several processes, else None."""
-    collectives = getattr(strategy.extended, "collectives", None)
+    collectives = strategy.extended.collectives
     if collectives is None:
         return None
     return ProcessSync(strategy, collectives)
