@@ -55,13 +55,10 @@ KDIST_PRIVATE_ATTRIBUTES = {
     "_foreach_div_",
     "_version",
 }
-# Names that hold kdist objects by convention: the replica engine shares its
-# private state with the step helpers of kdist.keras.replica.
+# Names that hold kdist objects by convention: a GradientOverlap shares its
+# private state with the OverlappedStep of the same module (kdist.keras.replica.gradient_overlap).
 KDIST_OBJECT_NAMES = {
-    "engine",  # a kdist.keras.replica.engine.ReplicaEngine
-    "previous",  # the ReplicaEngine a recompiled model had
-    "self._engine",  # the ReplicaEngine a helper belongs to
-    "overlap",  # a kdist.keras.replica.gradient_overlap.GradientOverlap
+    "overlap",
     "self._overlap",
 }
 # Attributes kdist itself stores on Keras objects all start with this.
@@ -142,7 +139,7 @@ def test_private_attribute_checker_catches_a_planted_violation():
         "    object.__setattr__(model, '_initialize_ddp', helper)\n"  # write through a string
         "    getattr(model, '_loss_tracker', None)\n"  # read through a string
         "    model._kdist_engine = helper\n"  # kdist's own marker: allowed
-        "    self._private = engine._model\n"  # self and a kdist object: allowed
+        "    self._private = overlap._buffers\n"  # self and a kdist object: allowed
         "    return model.__class__\n"  # dunder: allowed
     )
     assert private_attribute_uses(planted) == [

@@ -52,30 +52,38 @@ class ReplicaEngine:
     """Step functions that run a model data-parallel over a strategy's replicas.
 
     Not thread-safe: one engine per model, used by the thread that calls `fit`.
+
+    Attributes (read by the step helpers of `kdist.keras.replica`):
+        model, strategy: what the engine trains, and with what.
+        devices, num_replicas: this process's replica devices and their count.
+        processes: the `ProcessSync` of a multi-worker strategy, else None.
+        state: the replicas' copies of the model's state, once laid out.
+        summed_loss: whether the compiled loss sums (not averages) its terms.
+        overlap, accumulation: reductions during backward, and deferred micro-steps.
     """
 
     def __init__(self, model, strategy):
-        self._model = model
-        self._strategy = strategy
-        self._devices = strategy.extended.replica_devices
-        self._num_replicas = len(self._devices)
+        self.model = model
+        self.strategy = strategy
+        self.devices = strategy.extended.replica_devices
+        self.num_replicas = len(self.devices)
         # Set for a multi-worker strategy: the reductions between processes.
-        self._processes = process_sync.for_strategy(strategy)
-        self._state = None
+        self.processes = process_sync.for_strategy(strategy)
+        self.state = None
         self._needs_broadcast = True
         # The engine is rebuilt by every compile(), so the compiled loss is fixed here.
-        self._summed_loss = _all_losses_summed(model)
+        self.summed_loss = _all_losses_summed(model)
         # Merge mode runs each replica in its own thread and stops them all at
         # every `optimizer.apply` or merge: from the start for synchronized
         # BatchNormalization, else from the first step that applies twice.
         self._merge_mode = sync_batchnorm.needs_merge_mode(model)
         # Multi-worker only: reduce during backward, and defer accumulation micro-steps.
-        self._overlap = gradient_overlap.GradientOverlap(self)
+        self.overlap = gradient_overlap.GradientOverlap(self)
         self._overlapped = None
-        self._accumulation = gradient_accumulation.DeferredAccumulation(self)
+        self.accumulation = gradient_accumulation.DeferredAccumulation(self)
         previous = getattr(model, "_kdist_engine", None)
         if previous is not None:  # a recompile: the old engine's hooks go with it
-            previous._overlap.remove_hooks()
+            previous.overlap.remove_hooks()
         object.__setattr__(model, "_kdist_engine", self)
 
     # ----- Keras step-function entry points (receive a list of batches) -----
@@ -119,9 +127,9 @@ class ReplicaEngine:
         where the step allows it (`gradient_overlap`), and not at all on
         accumulation micro-steps (`gradient_accumulation`).
         """
-        model = self._model
-        deferral = self._accumulation.step_kind(state)
-        overlapped = None if deferral is not None else self._overlap.begin(state, replicas, total)
+        model = self.model
+        deferral = self.accumulation.step_kind(state)
+        overlapped = None if deferral is not None else self.overlap.begin(state, replicas, total)
         self._overlapped = overlapped
         scopes, replica_logs, recorders = [], [], []
         combined = control = None
@@ -143,59 +151,59 @@ class ReplicaEngine:
             raise
         finally:
             self._overlapped = None
-            self._overlap.disarm()
+            self.overlap.disarm()
         if control is not None:
             # Reduced during backward; the overlap's control vector travels with the state.
             weights = control.weights
-            self._reconcile(state, scopes, weights, control.pending, control)
+            self.reconcile(state, scopes, weights, control.pending, control)
             updates = control.updates()
             if updates is None:  # some process could not overlap this step
-                updates, pending, _ = self._accumulation.combine(replicas, total, recorders, deferral)
-                self._processes.wait(pending)
+                updates, pending, _ = self.accumulation.combine(replicas, total, recorders, deferral)
+                self.processes.wait(pending)
         else:
             if combined is None:
-                combined = self._accumulation.combine(replicas, total, recorders, deferral)
+                combined = self.accumulation.combine(replicas, total, recorders, deferral)
             updates, pending, weights = combined
             # In a multi-worker job the gradient and state all-reduces run together;
             # this waits for both before anything is assigned.
-            self._reconcile(state, scopes, weights, pending)
+            self.reconcile(state, scopes, weights, pending)
         with torch.no_grad():
             for optimizer, variables, gradients in updates:
                 optimizer.apply(gradients, variables)
-        return self._merge_logs(replica_logs, weights)
+        return self.merge_logs(replica_logs, weights)
 
     def _test_batch(self, batch):
         state = self._state_variables()
         replicas, total = self._active_shards(batch)
         results = [
-            self._run_replica(replica_id, self._model.test_step, shard, state, False, size / total)
+            self._run_replica(replica_id, self.model.test_step, shard, state, False, size / total)
             for replica_id, shard, size in replicas
         ]
         scopes = [scope for scope, _, _ in results]
         gradient_combine.check_summed_loss_has_no_penalties(self, state, scopes)
         weights = gradient_combine.weights_for_call(self, replicas, total, [d for _, _, d in results])
-        self._reconcile(state, scopes, weights)
-        return self._merge_logs([logs for _, logs, _ in results], weights)
+        self.reconcile(state, scopes, weights)
+        return self.merge_logs([logs for _, logs, _ in results], weights)
 
     def _predict_batch(self, batch):
         state = self._state_variables()
         replicas, _ = self._active_shards(batch)
         outputs = [
-            self._run_replica(replica_id, self._model.predict_step, shard, state, False)[1]
+            self._run_replica(replica_id, self.model.predict_step, shard, state, False)[1]
             for replica_id, shard, _ in replicas
         ]
         if len(outputs) == 1:
             local = outputs[0]
         else:
-            device = self._devices[0].torch_device
+            device = self.devices[0].torch_device
             local = keras.tree.map_structure(
                 lambda *parts: torch.cat(copy_to_device(parts, device)), *outputs
             )
-        if self._processes is None:
+        if self.processes is None:
             return local
         if all(n == 0 for _, _, n in replicas):
             local = keras.tree.map_structure(lambda leaf: leaf[:0], local)
-        return self._processes.gather_outputs(local, batch)
+        return self.processes.gather_outputs(local, batch)
 
     # ----- helpers ---------------------------------------------------------
     def forget_layout(self):
@@ -204,18 +212,18 @@ class ReplicaEngine:
         Also marks the start of a fit/evaluate/predict call: in a multi-worker
         job the next step first copies rank 0's variables to every rank.
         """
-        self._state = None
+        self.state = None
         self._needs_broadcast = True
         # `sync_batchnorm.convert(model)` may have run since compile.
-        self._merge_mode = self._merge_mode or sync_batchnorm.needs_merge_mode(self._model)
+        self._merge_mode = self._merge_mode or sync_batchnorm.needs_merge_mode(self.model)
 
     def _state_variables(self):
-        if self._state is None or not self._state.complete:
-            self._state = state_sync.StateVariables(self._model, self._summed_loss)
-        if self._needs_broadcast and self._processes is not None and self._model.built:
-            self._processes.broadcast_variables(self._model)
+        if self.state is None or not self.state.complete:
+            self.state = state_sync.StateVariables(self.model, self.summed_loss)
+        if self._needs_broadcast and self.processes is not None and self.model.built:
+            self.processes.broadcast_variables(self.model)
             self._needs_broadcast = False
-        return self._state
+        return self.state
 
     def _active_shards(self, batch):
         """This process's non-empty shards `(local replica id, shard, size)` and the global batch size.
@@ -224,9 +232,9 @@ class ReplicaEngine:
         replica 0 on the batch's first sample with size 0, so that it still
         takes part in every collective; its results carry no weight.
         """
-        if self._processes is not None:
-            return self._processes.local_shards(batch, self._num_replicas)
-        shards = split_batch(batch, self._num_replicas)
+        if self.processes is not None:
+            return self.processes.local_shards(batch, self.num_replicas)
+        shards = split_batch(batch, self.num_replicas)
         active = [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]
         return active, sum(n for _, _, n in active)
 
@@ -235,22 +243,22 @@ class ReplicaEngine:
         """The negative-control switches in force (`FaultInjection`)."""
         return faults.ACTIVE
 
-    def _reconcile(self, state, scopes, weights, pending=(), control=None):
+    def reconcile(self, state, scopes, weights, pending=(), control=None):
         """Combines the non-trainable state; in a multi-worker job after `pending` has arrived.
 
         `control`: an overlapped step's control vector (`gradient_overlap`),
         summed in the same all-reduce and read before anything is assigned.
         """
-        if self._processes is None:
+        if self.processes is None:
             state_sync.reconcile(state, scopes, weights)
             return
         plan, contributions = state_sync.plan_contributions(
-            state, scopes, weights, self._processes.holds_first_replica, for_all_reduce=True
+            state, scopes, weights, self.processes.holds_first_replica, for_all_reduce=True
         )
         if control is not None:
             contributions = list(contributions) + [control.tensor]
-        combined, works = self._processes.start_reduction(contributions, key="state")
-        self._processes.wait(list(pending) + works)
+        combined, works = self.processes.start_reduction(contributions, key="state")
+        self.processes.wait(list(pending) + works)
         if control is not None:
             control.arrive(combined[-1])
             combined = combined[:-1]
@@ -258,9 +266,9 @@ class ReplicaEngine:
 
     def _state_mapping(self, replica_id, state, training):
         """What each replica reads instead of the canonical variables."""
-        model = self._model
-        device = self._devices[replica_id].torch_device
-        canonical_device = self._devices[0].torch_device
+        model = self.model
+        device = self.devices[replica_id].torch_device
+        canonical_device = self.devices[0].torch_device
         if device == canonical_device:
             # Regularizers read trainable values through the scope, so map them
             # to the canonical Parameters themselves: no copy, still leaves.
@@ -289,18 +297,18 @@ class ReplicaEngine:
         """
         # A training step that needs its replicas to meet runs again in merge mode.
         merge_handler = _request_merge_mode if training else context.sequential_merge_handler
-        replica_context = context.ReplicaContext(self._strategy, replica_id, merge_handler=merge_handler)
-        context.push(self._strategy, replica_context)
+        replica_context = context.ReplicaContext(self.strategy, replica_id, merge_handler=merge_handler)
+        context.push(self.strategy, replica_context)
         loss_denominators.begin()
         try:
-            with self._strategy.extended.replica_device_scope(replica_id):
+            with self.strategy.extended.replica_device_scope(replica_id):
                 scope, logs = self.run_in_scope(
                     replica_id, step_fn, shard, state, training, self.replica_on_enter(replica_id, state, share, training)
                 )
             return scope, logs, loss_denominators.take()
         finally:
             loss_denominators.end()
-            context.pop(self._strategy)
+            context.pop(self.strategy)
 
     def replica_on_enter(self, replica_id, state, share, training):
         """What runs as a replica's scope opens (None: nothing).
@@ -312,7 +320,7 @@ class ReplicaEngine:
         prescale = training and state.float8.output_gradient_variables and not faults.ACTIVE.float8_mean
         if not prescale and overlapped is None:
             return None
-        device = self._devices[replica_id].torch_device
+        device = self.devices[replica_id].torch_device
 
         def on_enter(scope):
             if overlapped is not None:
@@ -328,7 +336,7 @@ class ReplicaEngine:
         The caller has entered the replica's context and device scope.
         `on_enter(scope)` is told the scope before the step starts.
         """
-        model = self._model
+        model = self.model
         mapping = self._state_mapping(replica_id, state, training)
         collect_losses = not faults.ACTIVE.drop_replica_losses
         with keras.StatelessScope(mapping, collect_losses=collect_losses) as scope:
@@ -341,7 +349,7 @@ class ReplicaEngine:
             logs = step_fn(shard)
         return scope, logs
 
-    def _merge_logs(self, logs, weights):
+    def merge_logs(self, logs, weights):
         return step_logs.merge(self, logs, weights)
 
 

@@ -49,14 +49,14 @@ class DeferredAccumulation:
 
     def __init__(self, engine):
         self._engine = engine
-        self._processes = engine._processes
+        self._processes = engine.processes
         # (optimizer, variables, pending sums, zeros), or None.
         self._pending = None
         self._dirty = False
 
     def step_kind(self, state):
         """`MICRO_STEP`, `UPDATE_STEP`, or None when the step reduces as usual. Decided before the step."""
-        optimizer = getattr(self._engine._model, "optimizer", None)
+        optimizer = getattr(self._engine.model, "optimizer", None)
         if self._processes is None or not _defers(optimizer):
             return None
         if not may_overlap_or_defer(self._engine, state):
@@ -68,7 +68,7 @@ class DeferredAccumulation:
         """`gradient_combine.combine_recorded`, deferring the reduction on micro-steps."""
         engine = self._engine
         calls = [recorder.calls for recorder in recorders]
-        fits = kind is not None and all(len(c) == 1 and c[0][0] is engine._model.optimizer for c in calls)
+        fits = kind is not None and all(len(c) == 1 and c[0][0] is engine.model.optimizer for c in calls)
         if not fits:
             self.flush()
             return gradient_combine.combine_recorded(engine, replicas, total, recorders)
@@ -128,4 +128,4 @@ def flush(model):
     """Folds `model`'s pending accumulated gradients in, where it has any (a collective; see `flush`)."""
     engine = getattr(model, "_kdist_engine", None)
     if engine is not None:
-        engine._accumulation.flush()
+        engine.accumulation.flush()

@@ -29,7 +29,7 @@ def weights_for_call(engine, replicas, total, denominators):
     """
     if engine.faults.sample_count_weights:
         denominators = [None] * len(replicas)
-    sum_over_processes = None if engine._processes is None else engine._processes.sum_over_ranks
+    sum_over_processes = None if engine.processes is None else engine.processes.sum_over_ranks
     sizes = [n for _, _, n in replicas]
     return loss_denominators.replica_weights(denominators, sizes, total, sum_over_processes)
 
@@ -81,12 +81,12 @@ def combine_call(engine, call_index, replicas, variables, gradient_lists, weight
     `reduce` and `extra` as for `combine_recorded`.
     """
     faults = engine.faults
-    processes = engine._processes
-    device = engine._devices[0].torch_device
+    processes = engine.processes
+    device = engine.devices[0].torch_device
     if faults.unweighted_gradient_mean:
-        num_global = engine._strategy.num_replicas_in_sync
+        num_global = engine.strategy.num_replicas_in_sync
         weights = [1.0 / num_global if w > 0 else 0.0 for w in weights]
-    if engine._summed_loss:
+    if engine.summed_loss:
         weights = [1.0 if w > 0 else 0.0 for w in weights]
     if faults.drop_replica_gradients:
         gradient_lists = gradient_lists[:1] + [[None] * len(g) for g in gradient_lists[1:]]
@@ -112,7 +112,7 @@ def combine_call(engine, call_index, replicas, variables, gradient_lists, weight
         full[position] = grad
     if not faults.float8_mean:
         float8_sync.overwrite_with_maximum(
-            engine._state.float8, full, variables, gradient_lists, weights, device, processes
+            engine.state.float8, full, variables, gradient_lists, weights, device, processes
         )
     return full, pending
 
@@ -125,7 +125,7 @@ def check_summed_loss_has_no_penalties(engine, state, scopes):
     once; with summed losses the gradients are added, so it would count once
     per replica.
     """
-    if not engine._summed_loss:
+    if not engine.summed_loss:
         return
     if state.has_weight_regularizers or any(scope.losses for scope in scopes):
         raise UnsupportedError(

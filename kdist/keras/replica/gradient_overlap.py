@@ -82,7 +82,7 @@ class GradientOverlap:
 
     def __init__(self, engine):
         self._engine = engine
-        self._processes = engine._processes
+        self._processes = engine.processes
         self._hooked = []
         self._handles = []
         self._buffers = None
@@ -94,20 +94,20 @@ class GradientOverlap:
         """Arms the hooks for one training step; returns the `OverlappedStep`, or None to reduce after backward."""
         if not self._eligible(state, replicas):
             return None
-        variables = list(self._engine._model.trainable_variables)
+        variables = list(self._engine.model.trainable_variables)
         tensors = [_compat.torch_tensor_of(v) for v in variables]
         if not variables or not all(t.is_leaf and t.requires_grad for t in tensors):
             return None
         self._hook(variables, tensors)
         ((_, _, size),) = replicas
-        self._step = OverlappedStep(self, variables, size, total, self._engine._summed_loss)
+        self._step = OverlappedStep(self, variables, size, total, self._engine.summed_loss)
         return self._step
 
     def _eligible(self, state, replicas):
         processes = self._processes
         if processes is None or self.disabled_reason is not None:
             return False
-        if not processes.options.overlap_with_backward or len(replicas) != 1 or self._engine._num_replicas != 1:
+        if not processes.options.overlap_with_backward or len(replicas) != 1 or self._engine.num_replicas != 1:
             return False
         return may_overlap_or_defer(self._engine, state)
 
@@ -235,7 +235,7 @@ class OverlappedStep:
         Where the gradients need no division (the usual case), the control
         vector travels in the state all-reduce the engine makes anyway (one
         round trip, as without overlap): this returns `(None, self)`, and the
-        engine passes `self` to `_reconcile`, which calls `arrive` with the
+        engine passes `self` to `reconcile`, which calls `arrive` with the
         reduced vector before assigning anything; then `updates()`.
         Otherwise the control is reduced here: `(combined, None)`, combined
         being `(updates, pending, weights)` as `gradient_combine.combine_recorded`

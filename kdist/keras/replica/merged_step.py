@@ -36,7 +36,7 @@ def train_batch(engine, state, replicas, total):
         total: the global batch size.
     """
     combiner = _MergedApply(engine, state, replicas, total)
-    step_fn = engine._model.train_step
+    step_fn = engine.model.train_step
 
     def replica_step(replica_id, shard, size):
         prepare = engine.replica_on_enter(replica_id, state, size / total, training=True)
@@ -63,12 +63,12 @@ def train_batch(engine, state, replicas, total):
     calls = [(replica_id, (replica_id, shard, size), {}) for replica_id, shard, size in replicas]
     parameters = [tensor for _, tensor in state.canonical_mapping]
     results = replica_runner.run_replicas(
-        engine._strategy, replica_step, calls, switch=_SeparateGradients(parameters, len(calls))
+        engine.strategy, replica_step, calls, switch=_SeparateGradients(parameters, len(calls))
     )
     scopes = [scope for scope, _ in results]
     gradient_combine.check_summed_loss_has_no_penalties(engine, state, scopes)
-    engine._reconcile(state, scopes, combiner.weights)
-    return engine._merge_logs([logs for _, logs in results], combiner.weights)
+    engine.reconcile(state, scopes, combiner.weights)
+    return engine.merge_logs([logs for _, logs in results], combiner.weights)
 
 
 def _gradient_weight(size):
@@ -121,7 +121,7 @@ class _MergedApply:
             engine, self._num_calls, self._replicas, variables, gradient_lists, self.weights
         )
         if pending:
-            engine._processes.wait(pending)
+            engine.processes.wait(pending)
         self._num_calls += 1
         with torch.no_grad():
             optimizer.apply(gradients, variables)
@@ -129,9 +129,9 @@ class _MergedApply:
 
     def _refresh_copies(self, variables):
         """Replicas on other devices read copies made at step start: give them the updated values."""
-        canonical = self._engine._devices[0].torch_device
+        canonical = self._engine.devices[0].torch_device
         for replica_id, scope in self.scopes.items():
-            device = self._engine._devices[replica_id].torch_device
+            device = self._engine.devices[replica_id].torch_device
             if device == canonical:
                 continue  # they read the canonical Parameters themselves
             copies = copy_to_device([_compat.torch_tensor_of(v).detach() for v in variables], device)

@@ -20,7 +20,7 @@ def merge(engine, replica_logs, weights):
         weights: each replica's weight (`loss_denominators.ReplicaWeights`).
     """
     first = replica_logs[0]
-    processes = engine._processes
+    processes = engine.processes
     if not isinstance(first, dict) or (len(replica_logs) == 1 and processes is None):
         return first
     if not engine.faults.unflattened_logs and any(isinstance(value, dict) for value in first.values()):
@@ -28,7 +28,7 @@ def merge(engine, replica_logs, weights):
         # as Keras flattens them before callbacks and History see them.
         replica_logs = [_compat.flatten_logs(logs) for logs in replica_logs]
         first = replica_logs[0]
-    canonical = engine._model.get_metrics_result()
+    canonical = engine.model.get_metrics_result()
     merged = {}
     for key in first:
         if key in canonical:

@@ -220,7 +220,7 @@ def main():
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
     report = {
         "statistics": {op: [s.calls, s.payload_bytes, s.wire_bytes] for op, s in collectives.statistics.items()},
-        "overlap_disabled": model._kdist_engine._overlap.disabled_reason,
+        "overlap_disabled": model._kdist_engine.overlap.disabled_reason,
         "started_before_last_gradient": probe.started_before_last_gradient if probe else None,
         "steps": len(probe.started_before_last_gradient) if probe else None,
     }
