@@ -18,10 +18,11 @@ import kdist
 from kdist.launch import task_env
 from tests import harness
 from tests.keras import _models, _ps
+from tests.keras.workers import ps_async
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = Path(__file__).parent / "workers" / "ps_async.py"
+SCRIPT = Path(ps_async.__file__)
 NUM_WORKERS = 3
 
 
