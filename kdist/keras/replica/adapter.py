@@ -25,7 +25,7 @@ class ReplicaAdapter(adapters.KerasAdapter):
     def attach(self, model):
         strategy = self.strategy
         gradient_merge.wrap(getattr(model, "optimizer", None))
-        if multi_worker.collectives_of(strategy) is not None and not faults.ACTIVE.upstream_metrics_result:
+        if strategy.extended.collectives is not None and not faults.ACTIVE.upstream_metrics_result:
             # Metrics are already combined across processes by kdist (see _compat).
             adapters.override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
         if strategy.num_replicas_in_sync > 1:
@@ -37,7 +37,7 @@ class ReplicaAdapter(adapters.KerasAdapter):
 
     def route_call(self, method, model, name, args, kwargs):
         strategy = self.strategy
-        collectives = multi_worker.collectives_of(strategy)
+        collectives = strategy.extended.collectives
         if collectives is None:
             return method(model, *args, **kwargs)
         if name in ("save", "save_weights"):

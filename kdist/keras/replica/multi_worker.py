@@ -35,11 +35,6 @@ from kdist.keras.replica import gradient_accumulation
 _active = threading.local()
 
 
-def collectives_of(strategy):
-    """The strategy's `ProcessCollectives` when it spans processes, else None."""
-    return strategy.extended.collectives
-
-
 # ----- input ------------------------------------------------------------------
 @contextlib.contextmanager
 def input_synchronisation(collectives):
@@ -129,7 +124,7 @@ _CHIEF_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
 
 def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
     """Returns the (args, kwargs) a rank passes to Keras' fit/evaluate/predict."""
-    collectives = collectives_of(strategy)
+    collectives = strategy.extended.collectives
     signature = inspect.signature(method)
     bound = signature.bind(model, *args, **kwargs)
     arguments = bound.arguments
@@ -171,7 +166,7 @@ def run_on_chief(strategy, write, name):
     ranks as a `KdistError`, so no rank waits for a save that will not come.
     """
     error = None
-    collectives = collectives_of(strategy)
+    collectives = strategy.extended.collectives
     if strategy.extended.is_chief:
         try:
             write()
