@@ -99,7 +99,7 @@ def train(args, resolver):
     reloaded = compile_model(keras.saving.load_model(final_path, compile=False))
     x_test, y_test = make_digits(1000, seed=3)
     test_accuracy = float(reloaded.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"])
-    stats = strategy.extended._cluster_coordinator.stats
+    stats = strategy.extended.cluster_coordinator.stats
     report = {
         "epochs_run": len(history.history.get("loss", [])),
         "final_loss": round(history.history["loss"][-1], 4) if history.history.get("loss") else None,

@@ -248,6 +248,14 @@ class ClusterCoordinator:
             return type(val)(*items) if hasattr(val, "_fields") else type(val)(items)
         return to_numpy(val)
 
+    def share_with_workers(self, obj):
+        """Sends `obj` to every worker once; closures that refer to `obj` then travel by its id.
+
+        For chief-side objects that many closures use (a `keras.utils.PyDataset`
+        the workers index), so each closure does not carry its own copy.
+        """
+        return self._registry.add(obj, "object", obj)
+
     def create_per_worker_dataset(self, dataset_fn):
         """Has every worker build its own dataset with `dataset_fn` (see `PerWorkerDataset`).
 

@@ -42,8 +42,6 @@ KDIST_PACKAGE = KERAS_PACKAGE.parent
 # Private attributes that belong to kdist (or torch), not to Keras: the checker
 # cannot see types, so each one kdist touches from outside its own class is named here.
 KDIST_PRIVATE_ATTRIBUTES = {
-    # kdist.coordinator.ClusterCoordinator's resource registry: chief_data sends a PyDataset through it.
-    "_registry",
     # ParameterServerExtended's placement hook, called for each model variable born in scope.
     "_on_variable_created",
     # StrategyExtended's element-wise sum over processes (custom loops' apply_gradients).

@@ -207,25 +207,10 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         placement = self.placement(variable)
         if placement is None:
             self.variable_device(variable)  # raises the explanatory error
-        reader = _EntryReader(self.variable_router, self.variable_router.entry(variable))
+        reader = self.variable_router.reader(self.variable_router.entry(variable))
         if placement.is_partitioned:
             return ShardedVariable(placement, reader)
         return RemoteVariable(placement, reader)
-
-
-class _EntryReader:
-    """Implements `sharded_variable.VariableReader` for one entry of a `VariableRouter` store."""
-
-    def __init__(self, store, entry):
-        self._store = store
-        self._entry = entry
-
-    def read(self, shards):
-        return self._store.read_shards(self._entry, [self._entry.placement.shards.index(shard) for shard in shards])
-
-    def lookup(self, requests):
-        positions = [(self._entry.placement.shards.index(shard), ids) for shard, ids in requests]
-        return [rows for rows, _ in self._store.lookup_shards(self._entry, positions)]
 
 
 class ParameterServerStrategy(Strategy):

@@ -101,7 +101,7 @@ class EpochSource:
         self._on_chief = _overrides_on_epoch_end(dataset)
         if not self._on_chief:
             # Sent once to every worker; closures then refer to it by id.
-            coordinator._registry.add(dataset, "object", dataset)
+            coordinator.share_with_workers(dataset)
 
     def _init_arrays(self, x, y, batch_size, steps, what, steps_name):
         arrays = (x, y) if y is not None else (x,)

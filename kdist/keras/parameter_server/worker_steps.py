@@ -34,6 +34,7 @@ from kdist.keras import _compat, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.keras.replica import gradient_merge
+from kdist.ps.optimizer_host import slot_name
 
 _local = threading.local()
 
@@ -175,11 +176,11 @@ class PSSession:
         iterations = 0
         for entry, (entry_iterations, slots) in zip(trainable, states):
             iterations = max(iterations, entry_iterations)
-            for slot_name, value in slots.items():
-                slot = getattr(optimizer, "_kdist_ps_slots", {}).get((id(entry.variable), slot_name))
+            for server_slot, value in slots.items():
+                slot = getattr(optimizer, "_kdist_ps_slots", {}).get((id(entry.variable), server_slot))
                 if slot is None:
                     raise UnsupportedError(
-                        f"Cannot map the server's optimizer slot {slot_name!r} of "
+                        f"Cannot map the server's optimizer slot {server_slot!r} of "
                         f"{entry.variable.path!r} to the local optimizer. The optimizer must be "
                         "built after the model is compiled in strategy.scope() (Keras does this "
                         "in fit), and its slots must be made with add_variable_from_reference."
@@ -258,10 +259,15 @@ def _wrap_optimizer(optimizer, session):
     def add_variable_from_reference(reference_variable, *args, **kwargs):
         slot = original_add(reference_variable, *args, **kwargs)
         name = kwargs.get("name", args[0] if args else None)
-        optimizer._kdist_ps_slots[(id(reference_variable), name)] = slot
+        # Named as the servers name it (`kdist.ps.optimizer_host.slot_name`):
+        # unique per (variable, slot), so two slots of one short name both map.
+        taken = optimizer._kdist_ps_slot_names.setdefault(id(reference_variable), [])
+        taken.append(slot_name(name, taken))
+        optimizer._kdist_ps_slots[(id(reference_variable), taken[-1])] = slot
         return slot
 
     object.__setattr__(optimizer, "_kdist_ps_slots", {})
+    object.__setattr__(optimizer, "_kdist_ps_slot_names", {})
     object.__setattr__(optimizer, "apply", apply)
     object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
 
