@@ -7,7 +7,7 @@ from kdist.ps import client_retry, codec
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.client_payload import (
     assignment_payload,
-    gradient_payload,
+    encode_gradient,
     ids_array,
     variables_layout,
 )
@@ -198,7 +198,7 @@ class VariableClient:
         check_update_id(update_id)
         metas, arrays = [], []
         for gradient in gradients:
-            meta, payload = gradient_payload(gradient)
+            meta, payload = encode_gradient(gradient)
             metas.append(meta)
             arrays.extend(payload)
         assignment_metas, assignment_arrays = assignment_payload(assignments)

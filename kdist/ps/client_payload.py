@@ -62,7 +62,3 @@ def assignment_payload(assignments):
         metas.append(pb.AssignmentMeta(name=assignment.name, value=codec.tensor_meta(array)))
         arrays.append(array)
     return metas, arrays
-
-
-# The name `kdist.ps.client` imports; the same function.
-gradient_payload = encode_gradient

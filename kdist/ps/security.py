@@ -282,7 +282,6 @@ class Security:
         return grpc.intercept_channel(channel, authenticator)
 
     # The name `channel` had before; kept for callers of the public `Security`.
-    open_channel = channel
 
     def bind(self, server, address, service):
         """Binds `server` to `address`, TLS when this has a server certificate; returns the port.

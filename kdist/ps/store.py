@@ -333,8 +333,6 @@ class VariableStore:
         return versions, tuple(rejected), staleness
 
     # Their names before the stages of a push were named; some tests still use them.
-    plan_push = plan_update
-    apply_push = apply_update
 
     # -- Counters -----------------------------------------------------------------
 

@@ -98,7 +98,7 @@ def test_raw_calls_without_the_secret_run_nothing(cluster, trusted, tmp_path):
     _predict_and_mark(coordinator, model, tmp_path / "warm")
     address = cluster.spec["worker"][0]
     marker = tmp_path / "raw"
-    proving = Security(token=TOKEN).open_channel(address, [("grpc.enable_http_proxy", 0)])
+    proving = Security(token=TOKEN).channel(address, [("grpc.enable_http_proxy", 0)])
     with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel, proving:
         stub = pb_grpc.WorkerServiceStub(channel)
         authorized = pb_grpc.WorkerServiceStub(proving)

@@ -102,7 +102,7 @@ def open_channel(port, security, host="127.0.0.1", authenticated=False):
     """A channel to the echo server: raw (a stranger's), or `security`'s own when `authenticated`."""
     target = f"{host}:{port}"
     if authenticated:
-        return security.open_channel(target)
+        return security.channel(target)
     credentials = security.channel_credentials()
     options = security.channel_options()
     if credentials is None:

@@ -88,7 +88,7 @@ def test_oversize_message_is_resource_exhausted_and_the_server_keeps_serving(rng
                 client.push([DenseGradient("w", np.ones(1 << 20, "float32"))])
             assert caught.value.code_name == "RESOURCE_EXHAUSTED"
         # A raw oversize unary message.
-        with Security().open_channel(server.address) as channel:
+        with Security().channel(server.address) as channel:
             health = channel.unary_unary(METHODS["Health"].path)
             with pytest.raises(grpc.RpcError) as raw:
                 health(b"\x7a" + bytes([0x80, 0x80, 0x10]) + bytes(1 << 18), timeout=10)
@@ -102,7 +102,7 @@ def test_oversize_message_is_resource_exhausted_and_the_server_keeps_serving(rng
 
 def test_garbage_requests_do_not_kill_the_server(server):
     # A peer that proves the secret, so the garbage reaches the deserializers.
-    with Security().open_channel(server.address) as channel:
+    with Security().channel(server.address) as channel:
         for method in METHODS.values():
             if method.request_streaming:
                 call = getattr(channel, "stream_" + ("stream" if method.response_streaming

@@ -151,7 +151,7 @@ def test_server_survives_malformed_requests(fuzz_server, tmp_path):
     # A stranger (no proof of the cluster secret) is refused before any request is read;
     # a peer holding the secret reaches the deserializers and handlers with garbage.
     stranger = grpc.insecure_channel(server.address, options=[("grpc.enable_http_proxy", 0)])
-    channel = Security().open_channel(server.address, [("grpc.enable_http_proxy", 0)])
+    channel = Security().channel(server.address, [("grpc.enable_http_proxy", 0)])
     with stranger, channel:
         for index, (method, messages) in enumerate(random_raw_calls(rng, NUM_STRANGER_CALLS)):
             code = call_raw(stranger, method, messages)

@@ -136,8 +136,8 @@ def test_an_overlong_update_id_is_refused_and_changes_nothing(client, monkeypatc
 
 
 def _store_push(store, update_id):
-    plan = store.plan_push([GradientSpec("w", False, np.dtype("float32"), (3,))], [])
-    return store.apply_push(plan, [np.ones(3, "float32")], update_id=update_id)
+    plan = store.plan_update([GradientSpec("w", False, np.dtype("float32"), (3,))], [])
+    return store.apply_update(plan, [np.ones(3, "float32")], update_id=update_id)
 
 
 def _sgd_store(**kwargs):

@@ -264,7 +264,6 @@ class VariableRouter:
         return list(results.values())
 
     # The name callers used before the stages were named; the same method.
-    push = send_gradients
 
     @contextlib.contextmanager
     def idempotent_updates(self, prefix):

@@ -153,11 +153,11 @@ class PSSession:
         self.configure(optimizer, [entry for entry, _ in dense] + [entry for entry, *_ in rows])
         return dense, rows
 
-    def push(self, dense, rows, state_entries=()):
+    def send_updates(self, dense, rows, state_entries=()):
         """Sends a step's update, plus those of `state_entries` (non-trainable) that the step changed."""
         assign = [entry for entry in state_entries if not entry.trainable and self.router.changed(entry)]
         if dense or rows or assign:
-            self.router.push(dense, rows, assign)
+            self.router.send_gradients(dense, rows, assign)
 
     # ----- save -------------------------------------------------------------------
     def read_back(self):
@@ -248,12 +248,12 @@ def _wrap_optimizer(optimizer, session):
         if step is not None:
             if step.pending:
                 # A second apply in one step function call: send the first now.
-                session.push(step.dense, step.row_updates)
+                session.send_updates(step.dense, step.row_updates)
             step.dense, step.row_updates, step.pending = dense, rows, True
             return
         # A custom training loop: push at once, then read the result back as a
         # local apply would have changed the variables.
-        session.push(dense, rows)
+        session.send_updates(dense, rows)
         session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
@@ -313,7 +313,7 @@ def _train_wrapper(function, session):
             logs = function(data)
         finally:
             _local.step = None
-        session.push(step.dense, step.row_updates, state_entries=entries)
+        session.send_updates(step.dense, step.row_updates, state_entries=entries)
         return logs
 
     return train_function

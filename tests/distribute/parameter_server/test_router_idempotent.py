@@ -34,7 +34,7 @@ def remote():
 def _closure(variable_router, entries, num_pushes):
     gradients = [(entry, np.ones(3, "float32")) for entry in entries]
     for _ in range(num_pushes):
-        variable_router.push(gradients)
+        variable_router.send_gradients(gradients)
 
 
 def _applied(variable_router):
@@ -95,16 +95,16 @@ def test_ids_per_block_nested_blocks_and_threads(remote, monkeypatch):
         return by_server[0]
 
     with variable_router.idempotent_updates("outer"):
-        variable_router.push(gradients)
+        variable_router.send_gradients(gradients)
         with variable_router.idempotent_updates("inner"):
-            variable_router.push(gradients)
-            variable_router.push(gradients, update_id="explicit")
-            variable_router.push(gradients)
-        variable_router.push(gradients)
-        other_thread = threading.Thread(target=variable_router.push, args=(gradients,))
+            variable_router.send_gradients(gradients)
+            variable_router.send_gradients(gradients, update_id="explicit")
+            variable_router.send_gradients(gradients)
+        variable_router.send_gradients(gradients)
+        other_thread = threading.Thread(target=variable_router.send_gradients, args=(gradients,))
         other_thread.start()
         other_thread.join(timeout=60)
-    variable_router.push(gradients)
+    variable_router.send_gradients(gradients)
     assert sent_ids() == ["outer/0", "inner/0", "explicit", "inner/1", "outer/1", None, None]
 
 
@@ -119,5 +119,5 @@ def test_a_block_needs_a_string_prefix(remote, prefix):
 def test_an_overlong_update_id_is_refused_before_anything_is_sent(remote):
     variable_router, entries = remote
     with pytest.raises(InvalidArgumentError, match="update_id"):
-        variable_router.push([(entries[0], np.ones(3, "float32"))], update_id="x" * 257)
+        variable_router.send_gradients([(entries[0], np.ones(3, "float32"))], update_id="x" * 257)
     assert _applied(variable_router) == [0, 0]
