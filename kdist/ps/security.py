@@ -281,8 +281,6 @@ class Security:
         authenticator = ClientAuthenticator(channel, secret, address, tls=credentials is not None)
         return grpc.intercept_channel(channel, authenticator)
 
-    # The name `channel` had before; kept for callers of the public `Security`.
-
     def bind(self, server, address, service):
         """Binds `server` to `address`, TLS when this has a server certificate; returns the port.
 
