@@ -227,7 +227,7 @@ def _load_entry(source, record):
         slots = {}
         for slot, reference in zip(optimizer["slots"], entry.optimizer.slots):
             slots[slot["name"]] = _load_array(
-                source, slot["file"], codec.from_torch(reference.value).dtype.name)
+                source, slot["file"], dtypes.to_numpy(reference.value).dtype.name)
         entry.optimizer.load_state(int(optimizer["iterations"]), slots)
     return entry
 

@@ -78,10 +78,6 @@ def as_array(value, what):
     return _c_contiguous(array)
 
 
-# NumPy <-> torch without a copy, bfloat16 included: `kdist.ps.dtypes`.
-to_torch = dtypes.to_torch
-from_torch = dtypes.to_numpy
-
 
 def tensor_meta(array):
     """Returns the `TensorMeta` message describing `array`."""

@@ -21,7 +21,7 @@ import json
 import keras
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
+from kdist.ps import dtypes
 
 
 def canonical_config(config):
@@ -141,7 +141,7 @@ class VariableOptimizer:
     def state(self):
         """Returns `(iterations, [(slot name, NumPy copy)])` in creation order."""
         return self.iterations, [
-            (name, codec.from_torch(slot.value).copy())
+            (name, dtypes.to_numpy(slot.value).copy())
             for name, slot in zip(self.slot_names, self.slots)
         ]
 
@@ -159,7 +159,7 @@ class VariableOptimizer:
             )
         for name, slot in zip(self.slot_names, self.slots):
             value = slots[name]
-            expected = (tuple(slot.shape), codec.from_torch(slot.value).dtype)
+            expected = (tuple(slot.shape), dtypes.to_numpy(slot.value).dtype)
             if (value.shape, value.dtype) != expected:
                 raise InvalidArgumentError(
                     f"Slot {name!r} must have shape {expected[0]} and dtype {expected[1]}. "
@@ -167,7 +167,7 @@ class VariableOptimizer:
                 )
         self.optimizer.iterations.assign(iterations)
         for name, slot in zip(self.slot_names, self.slots):
-            slot.assign(codec.to_torch(slots[name]))
+            slot.assign(dtypes.to_torch(slots[name]))
 
 
 def slot_name(name, taken):

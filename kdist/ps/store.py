@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec, dtypes
+from kdist.ps import dtypes
 from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
 from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list
 from kdist.ps.update_ids import MAX_REMEMBERED_UPDATES, AppliedUpdateIds
@@ -389,9 +389,9 @@ def _check_finite(entry, values):
 
 def _dense_gradient(entry, gradient):
     if not isinstance(gradient, tuple):
-        return codec.to_torch(gradient)
+        return dtypes.to_torch(gradient)
     ids, rows = gradient
     # index_add sums repeated ids, as the dense gradient of ops.take does.
     dense = torch.zeros(entry.shape, dtype=entry.variable.value.dtype)
-    dense.index_add_(0, torch.from_numpy(ids), codec.to_torch(rows))
+    dense.index_add_(0, torch.from_numpy(ids), dtypes.to_torch(rows))
     return dense

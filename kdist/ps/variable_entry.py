@@ -4,7 +4,7 @@ import threading
 
 import keras
 
-from kdist.ps import codec
+from kdist.ps import dtypes
 
 
 def make_variable(name, array, trainable):
@@ -12,7 +12,7 @@ def make_variable(name, array, trainable):
     # Keras variable names may not contain "/"; the store keys by the real name.
     keras_name = name.replace("/", "_").replace(":", "_")
     with keras.device("cpu"):
-        return keras.Variable(codec.to_torch(array), dtype=array.dtype.name,
+        return keras.Variable(dtypes.to_torch(array), dtype=array.dtype.name,
                               trainable=trainable, name=keras_name)
 
 
@@ -44,7 +44,7 @@ class VariableEntry:
         self.rejected_updates = 0
         self.optimizer = None  # VariableOptimizer once configured
         self.lock = threading.Lock()
-        self.array = codec.from_torch(variable.value)  # a view of the variable, not a copy
+        self.array = dtypes.to_numpy(variable.value)  # a view of the variable, not a copy
         self.dtype = self.array.dtype
         self.shape = tuple(self.array.shape)
         self._storage = _Storage()
@@ -69,11 +69,11 @@ class VariableEntry:
 
     def replace_value(self, array):
         """Under `lock`: makes the (fresh, C-contiguous) `array` the variable's memory."""
-        self._adopt(codec.to_torch(array))
+        self._adopt(dtypes.to_torch(array))
 
     def _adopt(self, tensor):
         self.variable.value.data = tensor
-        self.array = codec.from_torch(self.variable.value)
+        self.array = dtypes.to_numpy(self.variable.value)
         self._storage = _Storage()
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
+from kdist.ps import codec, dtypes
 from kdist.ps._generated import variable_service_pb2 as pb
 
 
@@ -103,7 +103,7 @@ def test_torch_inputs_share_memory_and_bfloat16_converts():
     half = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
     array = codec.as_array(half, "x")
     assert array.dtype.name == "bfloat16" and array.astype("float32").tolist() == [1.5, -2.0]
-    assert torch.equal(codec.to_torch(array), half)
+    assert torch.equal(dtypes.to_torch(array), half)
 
 
 def test_unsupported_dtype_and_shape_are_rejected():
