@@ -23,6 +23,7 @@ from kdist.ps.auth import (
     _mac,
     _metadata_value,
 )
+from kdist.ps.guarded_channel import CLOSED_MESSAGE
 
 # A hello waits at most this long when the call it precedes has no deadline.
 HELLO_TIMEOUT_SECONDS = 30.0
@@ -268,6 +269,9 @@ class ClientAuthenticator(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClie
             if checked == "ok":
                 return call
             if checked == "ended":
+                if getattr(self._channel, "closed", False):
+                    # Closed meanwhile: grpc's own error for it, as on a channel without the secret.
+                    raise ValueError(CLOSED_MESSAGE)
                 # Its error, and none of the messages a stranger may have streamed.
                 return _Ended(call)
         return _SessionExpired(self._address)

@@ -271,8 +271,11 @@ class Security:
 
         options = [*_CHANNEL_DEFAULTS, *options, *self.channel_options()]
         credentials = self.channel_credentials()
-        channel = (grpc.insecure_channel(address, options=options) if credentials is None
-                   else grpc.secure_channel(address, credentials, options=options))
+        from kdist.ps.guarded_channel import GuardedChannel
+
+        # Guarded: closing it while another thread starts a call must not crash grpc.
+        channel = GuardedChannel(grpc.insecure_channel(address, options=options) if credentials is None
+                                 else grpc.secure_channel(address, credentials, options=options))
         secret = self.secret()
         if secret is None:
             return channel
