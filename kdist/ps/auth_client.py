@@ -117,7 +117,7 @@ class ClientAuthenticator(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClie
     """Says hello to the server, checks its proof, and proves every call; thread-safe.
 
     Args:
-        channel: the raw channel to `address` (the hello goes over it).
+        channel: the `GuardedChannel` to `address`, not intercepted (the hello goes over it).
         secret: the cluster secret (bytes).
         address: the server's address, for messages.
     """
@@ -269,7 +269,7 @@ class ClientAuthenticator(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClie
             if checked == "ok":
                 return call
             if checked == "ended":
-                if getattr(self._channel, "closed", False):
+                if self._channel.closed:
                     # Closed meanwhile: grpc's own error for it, as on a channel without the secret.
                     raise ValueError(CLOSED_MESSAGE)
                 # Its error, and none of the messages a stranger may have streamed.
