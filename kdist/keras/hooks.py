@@ -4,8 +4,9 @@
 model created or compiled inside a (non-default) strategy's scope is attached
 to that strategy; attaching installs overrides *on that instance only*:
 
-- `fit`, `evaluate`, `predict`, `*_on_batch`, `save`, `save_weights` re-enter
-  the strategy's scope (lazily built models create their variables there);
+- `fit`, `evaluate`, `predict`, `*_on_batch`, `save`, `save_weights`,
+  `load_weights` re-enter the strategy's scope (lazily built models create their
+  variables there); a method the model's class does not have is left absent;
 - then the strategy's own Keras adapter (`kdist.keras.adapters.adapter_for`)
   installs what the strategy changes (the replica engine's step functions,
   parameter-server pushes and pulls), routes each scoped call, and sees every
@@ -131,7 +132,11 @@ def attach(model, strategy):
     context.bind_model(model, strategy)
     if not getattr(model, "_kdist_attached", False):
         for name in _SCOPED_METHODS:
-            adapters.override(model, name, _scoped(model, name))
+            # A `Trainer` mixed into a bare `Layer` (as Keras' own trainer tests do)
+            # has no `save`/`save_weights`/`load_weights`: leave what the class
+            # lacks absent, so `model.save` raises the AttributeError plain Keras does.
+            if callable(getattr(type(model), name, None)):
+                adapters.override(model, name, _scoped(model, name))
         object.__setattr__(model, "_kdist_attached", True)
     if not faults.ACTIVE.upstream_ddp_wrap:
         # kdist decides how gradients are combined, on every role and strategy.
