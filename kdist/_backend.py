@@ -3,7 +3,10 @@
 kdist is torch first. `import kdist` settles the backend in this order:
 
 1. Keras already imported: its backend (kdist follows it, or raises
-   `BackendError` when it cannot drive it).
+   `BackendError` when it cannot drive it). When that backend is not torch
+   and `KERAS_BACKEND` is not set, Keras took it from `keras.json`, not from
+   the user: kdist warns once (`BackendChoiceWarning`), naming the backend its
+   strategies will use and the fix.
 2. `KERAS_BACKEND` set: that backend.
 3. Otherwise torch: kdist sets `KERAS_BACKEND=torch`, the one place it writes
    `os.environ`, before Keras reads it.
@@ -20,6 +23,8 @@ Each strategy lists the backends it supports in `SUPPORTED_BACKENDS`;
 
 import os
 import sys
+import threading
+import warnings
 
 from kdist.errors import BackendError
 
@@ -33,6 +38,34 @@ STRATEGY_BACKENDS = {
     # The variable service, its optimizer hosts and the worker runtime are torch code.
     "ParameterServerStrategy": ("torch",),
 }
+
+
+class BackendChoiceWarning(UserWarning):
+    """Keras was imported before kdist with a backend that nobody chose explicitly."""
+
+
+# `select_backend` runs on `import kdist` and again on the first public name:
+# the warning is given once per process.
+_warned_lock = threading.Lock()
+_warned = False
+
+
+def _warn_implicit_backend(backend):
+    """Warns once that Keras' backend came from keras.json, not from the user."""
+    global _warned
+    with _warned_lock:
+        if _warned:
+            return
+        _warned = True
+    warnings.warn(
+        f"Keras was imported before kdist with the {backend!r} backend, which Keras took from "
+        f"keras.json (KERAS_BACKEND is not set), so kdist's strategies will use {backend}: "
+        f"kdist.MirroredStrategy is the {backend} strategy, not the torch one. For torch, "
+        f"`import kdist` before `import keras`, or set KERAS_BACKEND=torch before starting "
+        f"Python. To keep {backend}, set KERAS_BACKEND={backend} and this warning goes away.",
+        BackendChoiceWarning,
+        stacklevel=3,
+    )
 
 
 def choose_backend(environ):
@@ -61,6 +94,8 @@ def select_backend():
     if keras_module is not None and hasattr(keras_module, "backend"):
         backend = keras_module.backend.backend()
         source = f"Keras was imported with the {backend!r} backend before kdist"
+        if backend != DEFAULT_BACKEND and backend in SUPPORTED_BACKENDS and not os.environ.get("KERAS_BACKEND"):
+            _warn_implicit_backend(backend)
     else:
         backend, set_environment = choose_backend(os.environ)
         source = f"KERAS_BACKEND={backend!r}"

@@ -154,3 +154,61 @@ def test_a_torch_run_imports_neither_tensorflow_nor_jax(tmp_path):
     )
     assert not imported & {"tensorflow", "tensorboard", "tf_keras"}
     assert imported <= plain, f"kdist added {sorted(imported - plain)} to plain Keras' imports"
+
+
+# Import order: Keras imported first, its backend taken from keras.json (issue 25, item 7).
+WARNING_PROBE = ("import warnings; warnings.simplefilter('always'); {first}; import kdist; "
+                 "kdist.MirroredStrategy; print(kdist.MirroredStrategy.__module__)")
+
+
+def _backend_warnings(result):
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stderr.splitlines() if "BackendChoiceWarning" in line]
+
+
+@pytest.mark.skipif(not TENSORFLOW_INSTALLED, reason="needs TensorFlow")
+def test_keras_first_with_keras_json_tensorflow_warns_once(tmp_path):
+    _write_keras_json(tmp_path / ".keras", "tensorflow")
+    result = _run_python(WARNING_PROBE.format(first="import keras"), tmp_path, TF_CPP_MIN_LOG_LEVEL="2")
+    # The warning is the truth: kdist follows the imported Keras, here TensorFlow.
+    assert _last_line(result) == "kdist.backends.tensorflow"
+    warned = _backend_warnings(result)
+    assert len(warned) == 1, result.stderr
+    assert "'tensorflow' backend" in result.stderr and "KERAS_BACKEND=torch" in result.stderr
+    assert "import kdist` before `import keras`" in result.stderr
+
+
+@pytest.mark.skipif(not TENSORFLOW_INSTALLED, reason="needs TensorFlow")
+def test_keras_backend_set_explicitly_gives_no_warning(tmp_path):
+    _write_keras_json(tmp_path / ".keras", "tensorflow")
+    result = _run_python(WARNING_PROBE.format(first="import keras"), tmp_path, KERAS_BACKEND="tensorflow",
+                         TF_CPP_MIN_LOG_LEVEL="2")
+    assert _last_line(result) == "kdist.backends.tensorflow"
+    assert _backend_warnings(result) == []
+
+
+def test_keras_first_with_keras_json_torch_gives_no_warning(tmp_path):
+    # Negative control for the rule: only a backend other than torch is worth a warning.
+    _write_keras_json(tmp_path / ".keras", "torch")
+    result = _run_python(WARNING_PROBE.format(first="import keras"), tmp_path)
+    assert _last_line(result) == "kdist.distribute.mirrored"
+    assert _backend_warnings(result) == []
+
+
+def test_kdist_first_gives_no_warning(tmp_path):
+    _write_keras_json(tmp_path / ".keras", "tensorflow")
+    # Keras is imported by kdist's first public name, after kdist chose torch.
+    result = _run_python(WARNING_PROBE.format(first="pass"), tmp_path)
+    assert _last_line(result) == "kdist.distribute.mirrored"
+    assert _backend_warnings(result) == []
+
+
+def test_the_warning_is_given_once_per_process(monkeypatch):
+    fake_keras = types.SimpleNamespace(backend=types.SimpleNamespace(backend=lambda: "jax"))
+    monkeypatch.setitem(sys.modules, "keras", fake_keras)
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.setattr(_backend, "_warned", False)
+    with pytest.warns(_backend.BackendChoiceWarning, match="'jax' backend") as caught:
+        assert _backend.select_backend() == "jax"
+        assert _backend.select_backend() == "jax"
+    assert len([w for w in caught if issubclass(w.category, _backend.BackendChoiceWarning)]) == 1
