@@ -256,3 +256,20 @@ class OutOfRangeError(KdistError, RuntimeError):
 
 class CancelledError(KdistError, RuntimeError):
     """A scheduled closure was cancelled before it ran because an earlier closure failed."""
+
+
+class ClusterEnvironmentError(InvalidArgumentError):
+    """A launcher's environment variable is missing, malformed, or contradicts another. Fatal.
+
+    Raised while reading what Slurm (`SLURM_*`), Kubeflow Trainer (`PET_*`) or
+    torchrun set, before any process connects to another: fix the launch.
+
+    Attributes:
+        variable: the variable's name, e.g. `"SLURM_PROCID"`.
+        value: its value as read (a string), or None when it is unset.
+    """
+
+    def __init__(self, message, variable, value):
+        super().__init__(message)
+        self.variable = variable
+        self.value = value
