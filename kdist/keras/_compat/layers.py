@@ -1,4 +1,5 @@
-"""Keras layer internals: `BatchNormalization`'s moments (`kdist.keras.sync_batchnorm`) and float8 state."""
+"""Keras layer internals: `BatchNormalization`'s moments (`kdist.keras.sync_batchnorm`), float8 state,
+and the torch `BatchNorm` modules a `TorchModuleWrapper` holds."""
 
 import keras
 from keras.src.backend.common import stateless_scope as _stateless_scope_module
@@ -8,6 +9,7 @@ PINNED = {
     "BatchNormalization._reduction_axes": lambda: _probe_batchnorm()._reduction_axes,
     "keras.src.backend.common.stateless_scope.in_stateless_scope": lambda: _stateless_scope_module.in_stateless_scope,
     "Dense.outputs_grad_amax_history (float8)": lambda: _probe_float8_dense().outputs_grad_amax_history,
+    "TorchModuleWrapper.module (torch backend)": lambda: _probe_torch_module_wrapper().module,
 }
 
 
@@ -72,3 +74,36 @@ def output_gradient_float8_state(model):
         if scale is not None and history is not None:
             pairs.append((scale, history))
     return pairs
+
+
+# ----- torch modules inside TorchModuleWrapper --------------------------------------
+def _probe_torch_module_wrapper():
+    import torch
+
+    module = torch.nn.BatchNorm1d(2)
+    wrapper = keras.layers.TorchModuleWrapper(module)
+    if wrapper.module is not module:
+        raise AttributeError("TorchModuleWrapper.module no longer holds the wrapped torch module")
+    return wrapper
+
+
+def torch_batchnorm_modules(model):
+    """`(name, module)` of every torch BatchNorm module inside the model's `TorchModuleWrapper` layers.
+
+    `name` is `"<wrapper layer name>/<module path>"`. BatchNorm here is every
+    `torch.nn` batch normalisation (`BatchNorm1d/2d/3d`, their lazy forms,
+    `SyncBatchNorm`): torch refuses to train them on one value per channel.
+    Empty off the torch backend.
+    """
+    if keras.backend.backend() != "torch":
+        return []
+    import torch
+
+    found = []
+    for layer in model._flatten_layers(include_self=True):
+        if not isinstance(layer, keras.layers.TorchModuleWrapper):
+            continue
+        for path, module in layer.module.named_modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                found.append((f"{layer.name}/{path}" if path else layer.name, module))
+    return found

@@ -8,13 +8,19 @@
   `predict` agree on their inputs and callbacks (`kdist.keras.replica.multi_worker`),
   `save`/`save_weights` are collectives the chief writes, and metrics are not
   reduced a second time by Keras.
+- A step whose split would hand a torch `BatchNorm` (inside a
+  `TorchModuleWrapper`) one sample on some replica is refused before it runs
+  (`BatchNormShardGuard`): torch cannot take batch statistics of one value.
 """
 
 import warnings
 
 from kdist import faults
+from kdist.distribute.batching import batch_size_of, split_sizes
 from kdist.distribute.strategy import Strategy
+from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat, adapters
+from kdist.keras._compat.layers import torch_batchnorm_modules
 from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker
 from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
 
@@ -57,13 +63,19 @@ class ReplicaAdapter(adapters.KerasAdapter):
 
 def make_function(kind, engine):
     """`model.make_<kind>_function` returning the replica engine's step function."""
-    step = getattr(engine, f"{kind}_function")
+    engine_step = getattr(engine, f"{kind}_function")
     attribute = f"{kind}_function"
+    guard = BatchNormShardGuard(engine, kind)
+
+    def step(data):
+        guard.check(data)
+        return engine_step(data)
 
     def make_function(self, force=False):
         # Keras calls this at the start of every fit/evaluate/predict: the one
         # point where layers or trainability may have changed since the last step.
         engine.forget_layout()
+        guard.refresh()
         current = getattr(self, attribute)
         if current is not None and not force:
             return current
@@ -80,6 +92,69 @@ def make_function(kind, engine):
         return step
 
     return make_function
+
+
+class BatchNormShardGuard:
+    """Refuses, before a step runs, a split that gives a torch BatchNorm one sample on a replica.
+
+    A `torch.nn` BatchNorm module inside a `TorchModuleWrapper` normalises each
+    replica's shard with that shard's own statistics; on a shard of one sample
+    torch raises ("Expected more than 1 value per channel") in the middle of
+    the step, after earlier replicas already moved the module's running
+    statistics. Plain Keras on the whole batch trains. So kdist checks the
+    split first and raises `InvalidArgumentError` with nothing changed.
+
+    Which modules count: in a training step every such module (the wrapper
+    puts it in training mode); in `evaluate`/`predict` only those without
+    running statistics (`track_running_stats=False`), which use batch
+    statistics there too. The modules are looked up again at every
+    `make_*_function` call (the start of every `fit`/`evaluate`/`predict`).
+
+    Args:
+        engine: the model's `ReplicaEngine`.
+        kind: `"train"`, `"test"` or `"predict"`.
+    """
+
+    def __init__(self, engine, kind):
+        self.engine = engine
+        self.kind = kind
+        self.modules = []
+
+    def refresh(self):
+        """Finds the BatchNorm modules the model's wrappers hold now."""
+        found = torch_batchnorm_modules(self.engine.model)
+        if self.kind != "train":
+            found = [(n, m) for n, m in found if m.running_mean is None and m.running_var is None]
+        self.modules = found
+
+    def check(self, data):
+        """Raises `InvalidArgumentError` when a batch of `data` (a list of batches) splits to a 1-sample shard."""
+        if not self.modules:
+            return
+        replicas = self.engine.strategy.num_replicas_in_sync
+        for batch in data:
+            total = batch_size_of(batch)
+            sizes = split_sizes(total, replicas)
+            if 1 in sizes:
+                raise InvalidArgumentError(self._message(total, sizes, replicas))
+
+    def _message(self, total, sizes, replicas):
+        name, module = self.modules[0]
+        split = "+".join(str(n) for n in sizes)
+        more = f" (and {len(self.modules) - 1} more)" if len(self.modules) > 1 else ""
+        where = "a training step" if self.kind == "train" else f"a {self.kind} step"
+        return (
+            f"batch_size: the global batch of {total} samples is split {split} over {replicas} "
+            f"replicas in {where}, so a replica gets 1 sample, and the torch module '{name}' "
+            f"({type(module).__name__} inside a TorchModuleWrapper){more} cannot normalise one "
+            "sample: torch refuses batch statistics of one value per channel. Nothing was "
+            f"changed; the step did not run. Received: a batch of {total} for {replicas} "
+            "replicas. Expected: at least 2 samples on every replica that gets any. Fix: "
+            f"a batch_size of at least {2 * replicas} (2 per replica) whose last partial batch "
+            f"is also at least {2 * replicas} samples or absent (a sample count that is a "
+            "multiple of batch_size, or drop_remainder=True on a dataset), or "
+            "train with one replica."
+        )
 
 
 def install():
