@@ -14,14 +14,18 @@ Glossary (the TensorFlow terms):
 - **rendezvous**: the point (rank 0's address) where those processes meet to
   form a `torch.distributed` group; see `Rendezvous`.
 
-This package reads the environment (`TF_CONFIG`, torchrun's variables) and
+This package reads the environment (`TF_CONFIG`, torchrun's variables,
+Slurm's `SLURM_*`, Kubeflow Trainer's `PET_*`) and
 imports neither Keras nor, except inside `num_accelerators()`, torch.
 """
 
 from kdist.cluster.address import parse_address
+from kdist.cluster.hostlist import expand_hostlist
+from kdist.cluster.kubeflow import KubeflowTrainerClusterResolver
 from kdist.cluster.rendezvous import Rendezvous
 from kdist.cluster.resolve import local_cluster_resolver, resolve_cluster
 from kdist.cluster.resolvers import ClusterResolver, SimpleClusterResolver
+from kdist.cluster.slurm import SlurmClusterResolver
 from kdist.cluster.spec import ClusterSpec
 from kdist.cluster.tf_config import TFConfigClusterResolver
 from kdist.cluster.torchrun import TorchrunClusterResolver
@@ -29,10 +33,13 @@ from kdist.cluster.torchrun import TorchrunClusterResolver
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
+    "KubeflowTrainerClusterResolver",
     "Rendezvous",
     "SimpleClusterResolver",
+    "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
+    "expand_hostlist",
     "local_cluster_resolver",
     "parse_address",
     "resolve_cluster",

@@ -2,10 +2,13 @@
 
 import os
 
+from kdist.cluster.address import MAX_PORT
+from kdist.cluster.kubeflow import KubeflowTrainerClusterResolver
 from kdist.cluster.resolvers import ClusterResolver, SimpleClusterResolver
+from kdist.cluster.slurm import DEFAULT_PORT_BASE, SlurmClusterResolver
 from kdist.cluster.spec import ClusterSpec
 from kdist.cluster.tf_config import TF_CONFIG, TFConfigClusterResolver
-from kdist.cluster.torchrun import TorchrunClusterResolver
+from kdist.cluster.torchrun import TorchrunClusterResolver, read_integer
 from kdist.errors import InvalidArgumentError
 from kdist.types import TaskType
 
@@ -50,11 +53,23 @@ def resolve_cluster(cluster_resolver=None, environ=None):
     Without a resolver, the first that applies wins:
 
     1. the torchrun variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-       `MASTER_PORT`) give a `TorchrunClusterResolver`. torchrun wins over
-       `TF_CONFIG` because it is the launcher that actually started the
-       processes; a `TF_CONFIG` left in the environment is often stale.
-    2. a `TF_CONFIG` with a non-empty cluster gives a `TFConfigClusterResolver`;
-    3. otherwise `local_cluster_resolver()`: one process, rank 0 of 1.
+       `MASTER_PORT`, all four) give a `TorchrunClusterResolver`. torchrun
+       wins over the others because it is the launcher that actually started
+       these processes: under `srun torchrun ...` or a Kubeflow TrainJob
+       running torchrun, the `SLURM_*`/`PET_*` variables describe torchrun's
+       own launch, and a `TF_CONFIG` left in the environment is often stale.
+    2. a `TF_CONFIG` with a non-empty cluster gives a `TFConfigClusterResolver`:
+       a cluster written out task by task is the most explicit description.
+    3. inside an `srun` task (`SLURM_PROCID` and `SLURM_STEP_NODELIST` set), a
+       `SlurmClusterResolver` with every task a `"worker"`: rank =
+       `SLURM_PROCID`, world size = the step's task count, rendezvous at the
+       first node of `SLURM_STEP_NODELIST`, port `MASTER_PORT` if set, else
+       8888 (TensorFlow's `port_base`).
+    4. any of Kubeflow Trainer v2's `PET_NNODES`, `PET_NPROC_PER_NODE`,
+       `PET_NODE_RANK`, `PET_MASTER_ADDR`, `PET_MASTER_PORT` set gives a
+       `KubeflowTrainerClusterResolver` (one process per node: rank =
+       `PET_NODE_RANK`; it refuses `PET_NPROC_PER_NODE` other than 1).
+    5. otherwise `local_cluster_resolver()`: one process, rank 0 of 1.
 
     Args:
         cluster_resolver: a `ClusterResolver` to use as is, or None.
@@ -67,6 +82,8 @@ def resolve_cluster(cluster_resolver=None, environ=None):
         kdist.errors.InvalidArgumentError: `cluster_resolver` is not a
             `ClusterResolver`, or the chosen environment is malformed
             (a malformed `TF_CONFIG` is an error, never silently ignored).
+        kdist.errors.ClusterEnvironmentError: a launcher's variable (`SLURM_*`,
+            `PET_*`, torchrun's) is missing, malformed or inconsistent.
 
     Example:
 
@@ -89,4 +106,26 @@ def resolve_cluster(cluster_resolver=None, environ=None):
         resolver = TFConfigClusterResolver(tf_config=environ[TF_CONFIG])
         if resolver.cluster_spec():
             return resolver
+    if SlurmClusterResolver.is_available(environ):
+        return slurm_step_resolver(environ)
+    if KubeflowTrainerClusterResolver.is_available(environ):
+        return KubeflowTrainerClusterResolver(environ)
     return local_cluster_resolver()
+
+
+def slurm_step_resolver(environ=None):
+    """Returns the `SlurmClusterResolver` that `resolve_cluster()` picks inside `srun`.
+
+    Every task is a `"worker"`; tasks listen from port `MASTER_PORT` (if set)
+    or 8888 (`DEFAULT_PORT_BASE`, TensorFlow's) upwards on each node, so the
+    rendezvous is the first node of `SLURM_STEP_NODELIST` at that port.
+
+    Raises:
+        kdist.errors.ClusterEnvironmentError: `MASTER_PORT` is not a port, or
+            a `SLURM_*` variable is missing, malformed or inconsistent.
+    """
+    environ = os.environ if environ is None else environ
+    port_base = DEFAULT_PORT_BASE
+    if "MASTER_PORT" in environ:
+        port_base = read_integer(environ, "MASTER_PORT", 1, MAX_PORT, f"a port in 1..{MAX_PORT}", "Slurm")
+    return SlurmClusterResolver(port_base=port_base, environ=environ)

@@ -14,7 +14,7 @@ from kdist.cluster.address import MAX_PORT, format_address
 from kdist.cluster.rendezvous import Rendezvous
 from kdist.cluster.resolvers import ClusterResolver, format_master_url
 from kdist.cluster.spec import ClusterSpec
-from kdist.errors import InvalidArgumentError
+from kdist.errors import ClusterEnvironmentError
 from kdist.types import TaskType
 
 REQUIRED_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -23,15 +23,50 @@ _INTEGER_PATTERN = re.compile(r"[0-9]+")
 _AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
-def _integer(environ, name, lowest, highest, expected):
+def read_integer(environ, name, lowest, highest, expected, launcher="torchrun"):
+    """Returns environment variable `name` as an int in `lowest..highest`.
+
+    Raises:
+        kdist.errors.ClusterEnvironmentError: `name` is unset, not a decimal
+            integer, or out of range; the message names `launcher`, `name`,
+            its value and `expected`.
+    """
+    if name not in environ:
+        raise ClusterEnvironmentError(
+            f"A {launcher} environment variable is missing. Received: {name} unset. "
+            f"Expected {expected}.",
+            name,
+            None,
+        )
     text = str(environ[name])
     value = int(text.strip()) if _INTEGER_PATTERN.fullmatch(text.strip()) else None
     if value is None or not lowest <= value <= highest:
-        raise InvalidArgumentError(
-            f"Malformed torchrun environment variable. Received: {name}={text!r}. "
-            f"Expected {expected}."
+        raise ClusterEnvironmentError(
+            f"Malformed {launcher} environment variable. Received: {name}={text!r}. "
+            f"Expected {expected}.",
+            name,
+            text,
         )
     return value
+
+
+def read_host(environ, name, expected, launcher="torchrun"):
+    """Returns environment variable `name` as a host name (IPv6 without brackets).
+
+    Raises:
+        kdist.errors.ClusterEnvironmentError: `name` is unset, empty or holds whitespace.
+    """
+    text = environ.get(name)
+    host = None if text is None else str(text).strip()
+    if not host or any(character.isspace() for character in host):
+        problem = "missing" if text is None else "malformed"
+        raise ClusterEnvironmentError(
+            f"A {launcher} environment variable is {problem}. "
+            f"Received: {name}={text!r}. Expected {expected}.",
+            name,
+            text,
+        )
+    return host.strip("[]")
 
 
 class TorchrunClusterResolver(ClusterResolver):
@@ -52,8 +87,9 @@ class TorchrunClusterResolver(ClusterResolver):
         environ: a mapping to read the variables from; None reads `os.environ`.
 
     Raises:
-        kdist.errors.InvalidArgumentError: a variable is missing or malformed;
-            the message names it (e.g. `RANK` not below `WORLD_SIZE`, a
+        kdist.errors.ClusterEnvironmentError: a variable is missing or
+            malformed (an `InvalidArgumentError`); the message and its
+            `variable` name it (e.g. `RANK` not below `WORLD_SIZE`, a
             non-integer, `MASTER_PORT` out of range).
 
     Example:
@@ -64,22 +100,27 @@ class TorchrunClusterResolver(ClusterResolver):
     ('worker', 1, False)
     """
 
+    # What `cluster_spec()` lists for rank i >= 1: nobody dials these.
+    _PSEUDO_ADDRESS = "torchrun-rank-{index}"
+
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
         for name in REQUIRED_VARIABLES:
             if name not in environ:
-                raise InvalidArgumentError(
+                raise ClusterEnvironmentError(
                     f"A torchrun environment variable is missing. Received: {name} unset "
                     f"(set: {[key for key in REQUIRED_VARIABLES if key in environ]}). "
                     f"Expected all of {list(REQUIRED_VARIABLES)}; launch with torchrun or "
-                    "set them yourself."
+                    "set them yourself.",
+                    name,
+                    None,
                 )
-        world_size = _integer(environ, "WORLD_SIZE", 1, 2**31, "a positive integer")
-        rank = _integer(
+        world_size = read_integer(environ, "WORLD_SIZE", 1, 2**31, "a positive integer")
+        rank = read_integer(
             environ, "RANK", 0, world_size - 1, f"an integer in 0..WORLD_SIZE-1={world_size - 1}"
         )
         if "LOCAL_WORLD_SIZE" in environ:
-            local_world_size = _integer(
+            local_world_size = read_integer(
                 environ,
                 "LOCAL_WORLD_SIZE",
                 1,
@@ -89,7 +130,7 @@ class TorchrunClusterResolver(ClusterResolver):
         else:
             local_world_size = world_size
         if "LOCAL_RANK" in environ:
-            local_rank = _integer(
+            local_rank = read_integer(
                 environ,
                 "LOCAL_RANK",
                 0,
@@ -98,28 +139,31 @@ class TorchrunClusterResolver(ClusterResolver):
             )
         else:
             local_rank = rank % local_world_size
-        master_port = _integer(environ, "MASTER_PORT", 1, MAX_PORT, f"a port in 1..{MAX_PORT}")
-        master_addr = environ["MASTER_ADDR"].strip()
-        if not master_addr or any(character.isspace() for character in master_addr):
-            raise InvalidArgumentError(
-                f"Malformed torchrun environment variable. "
-                f"Received: MASTER_ADDR={environ['MASTER_ADDR']!r}. Expected the host "
-                "name or IP address of rank 0."
+        master_port = read_integer(environ, "MASTER_PORT", 1, MAX_PORT, f"a port in 1..{MAX_PORT}")
+        master_addr = read_host(environ, "MASTER_ADDR", "the host name or IP address of rank 0")
+        self._set_rendezvous(
+            Rendezvous(
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                local_world_size=local_world_size,
+                master_addr=master_addr,
+                master_port=master_port,
+                store_is_external=environ.get(_AGENT_STORE_VARIABLE) == str(True),
             )
-        self._master_address = format_address(master_addr.strip("[]"), master_port)
-        self._rendezvous = Rendezvous(
-            rank=rank,
-            world_size=world_size,
-            local_rank=local_rank,
-            local_world_size=local_world_size,
-            master_addr=master_addr.strip("[]"),
-            master_port=master_port,
-            store_is_external=environ.get(_AGENT_STORE_VARIABLE) == str(True),
         )
+
+    def _set_rendezvous(self, rendezvous):
+        """Records the validated `rendezvous` and the cluster spec it implies."""
+        self._rendezvous = rendezvous
+        self._master_address = format_address(rendezvous.master_addr, rendezvous.master_port)
         self._cluster_spec = ClusterSpec(
             {
                 TaskType.WORKER.value: [self._master_address]
-                + [f"torchrun-rank-{index}" for index in range(1, world_size)]
+                + [
+                    self._PSEUDO_ADDRESS.format(index=index)
+                    for index in range(1, rendezvous.world_size)
+                ]
             }
         )
 
