@@ -47,6 +47,7 @@ __all__ = [
     "StrategyExtended",
     "ValueContext",
     "VariableAggregation",
+    "callbacks",
     "cluster",
     "coordinator",
     "distribute",
@@ -95,7 +96,7 @@ def _bind_public_names():
     global _BACKEND
     # Keras may have been imported since `import kdist`; follow the backend it has.
     backend = select_backend()
-    from kdist import cluster, coordinator, distribute, errors, nn, ps
+    from kdist import callbacks, cluster, coordinator, distribute, errors, nn, ps
     from kdist.backends import visible_gpus
     from kdist.collectives import CommunicationOptions, Compression, CrossDeviceOps, ReductionToOneDevice
     from kdist.distribute import (

@@ -22,7 +22,7 @@ PUBLIC_NAMES = [
     "CommunicationOptions", "Compression", "CrossDeviceOps", "DistributedValues", "InputContext", "Mirrored",
     "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "SidecarEvaluator", "Strategy", "StrategyExtended", "ValueContext",
-    "VariableAggregation", "cluster", "coordinator", "distribute", "errors", "get_cross_replica_context",
+    "VariableAggregation", "callbacks", "cluster", "coordinator", "distribute", "errors", "get_cross_replica_context",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context", "nn", "partitioners", "ps",
     "visible_gpus",
 ]
@@ -57,7 +57,7 @@ LAYERS = {
     "kdist.nn": 6,
     "kdist.keras": 7,
     "kdist.backends": 8, "kdist.launch": 8,
-    "kdist.__main__": 9, "kdist": 9,
+    "kdist.__main__": 9, "kdist.callbacks": 9, "kdist": 9,
 }
 MAX_LINES = 400
 

@@ -21,7 +21,7 @@ import functools
 from kdist import faults
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, adapters, resume_shuffle, sync_batchnorm
+from kdist.keras import _compat, adapters, resume_shuffle, sync_batchnorm, tensorboard
 from kdist.keras.parameter_server import adapter as parameter_server_adapter
 from kdist.keras.replica import adapter as replica_adapter
 from kdist.keras.replica import multi_worker
@@ -50,6 +50,8 @@ def install():
     parameter_server_adapter.install()
     # BatchNormalization(synchronized=True) inside a kdist scope (torch only).
     sync_batchnorm.install()
+    # keras.callbacks.TensorBoard without TensorFlow (kdist.keras.tensorboard).
+    tensorboard.install()
     trainer = _compat.Trainer
     original_init = trainer.__init__
     original_compile = trainer.compile

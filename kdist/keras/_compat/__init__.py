@@ -35,6 +35,7 @@ from kdist.keras._compat.layers import (  # noqa: F401
     set_batchnorm_moments,
 )
 from kdist.keras._compat.losses import install_loss_reduction_observer, loss_reduction_denominator  # noqa: F401
+from kdist.keras._compat.tensorboard import redirect_construction as redirect_tensorboard_construction  # noqa: F401
 from kdist.keras._compat.optimizers import (  # noqa: F401
     clip_gradients,
     gradient_accumulators,
