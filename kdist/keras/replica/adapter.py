@@ -21,7 +21,7 @@ from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat, adapters
 from kdist.keras._compat.layers import torch_batchnorm_modules
-from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker
+from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker, per_rank_input
 from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
 
 
@@ -45,14 +45,16 @@ class ReplicaAdapter(adapters.KerasAdapter):
         strategy = self.strategy
         collectives = strategy.extended.collectives
         if collectives is None:
+            if name in ("fit", "evaluate", "predict"):
+                args, kwargs = per_rank_input.unwrap_one_process(args, kwargs)
             return method(model, *args, **kwargs)
         if name in ("save", "save_weights"):
             filepath, *rest = args if args else (kwargs.pop("filepath"),)
             return multi_worker.collective_save(strategy, method, model, filepath, rest, kwargs)
         if name in ("fit", "evaluate", "predict"):
             share = not faults.ACTIVE.unshared_random_state
-            args, kwargs = multi_worker.adjust_call(method, model, args, kwargs, strategy, share)
-            with multi_worker.input_synchronisation(collectives):
+            args, kwargs, inputs = multi_worker.adjust_call(method, model, args, kwargs, strategy, share)
+            with multi_worker.input_synchronisation(collectives, inputs):
                 result = method(model, *args, **kwargs)
             if name == "fit":
                 # Accumulated gradients still pending on each rank join the optimizer's.
@@ -62,12 +64,16 @@ class ReplicaAdapter(adapters.KerasAdapter):
 
 
 def make_function(kind, engine):
-    """`model.make_<kind>_function` returning the replica engine's step function."""
+    """`model.make_<kind>_function` returning the replica engine's step function.
+
+    The step is the engine's own method, or, while the model holds torch
+    BatchNorm modules (`BatchNormShardGuard`), that method behind the guard.
+    """
     engine_step = getattr(engine, f"{kind}_function")
     attribute = f"{kind}_function"
     guard = BatchNormShardGuard(engine, kind)
 
-    def step(data):
+    def guarded_step(data):
         guard.check(data)
         return engine_step(data)
 
@@ -76,8 +82,10 @@ def make_function(kind, engine):
         # point where layers or trainability may have changed since the last step.
         engine.forget_layout()
         guard.refresh()
+        step = guarded_step if guard.modules else engine_step
         current = getattr(self, attribute)
-        if current is not None and not force:
+        # A wrapper of torch BatchNorm may have been added since the unguarded step was made.
+        if current is not None and not force and not (current == engine_step and step is guarded_step):
             return current
         check_steps_per_execution(self)
         if self.jit_compile:
