@@ -17,23 +17,27 @@ Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
 parameter servers' state (weights and optimizer slots), each file written to a
 temporary file, fsynced and renamed into place (`kdist.keras.atomic_save`,
 installed by `kdist.keras.parameter_server.adapter`); the chief's
-`optimizer.iterations` counts the steps the closures applied. A tqdm bar shows
-steps, steps/s, and how many closures were retried after worker failures.
+`optimizer.iterations` counts the steps the closures applied.
+
+Progress is Keras' own: the `CallbackList` adds `keras.callbacks.ProgbarLogger`
+as Keras' `fit` does (`verbose=0` silent, 1 a bar, 2 one line per epoch); a
+bar is drawn only when stdout is a terminal (`kdist.keras.progress`). With
+`verbose != 0`, a line after an epoch reports closures retried after worker
+failures and workers unavailable, when there were any.
 """
 
 import contextlib
-import time
 
 import keras
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from kdist.coordinator import ClusterCoordinator
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
 from kdist.keras.parameter_server.chief_data import EpochSource, IndexedBatches, split_validation
 from kdist.keras.parameter_server.describers import add_state
+from kdist.keras.progress import CoordinatorStatusLogger, resolve_verbose
 
 _UNSUPPORTED_FIT = ("validation_split", "class_weight", "sample_weight", "validation_sample_weight")
 
@@ -138,25 +142,32 @@ def _pack(model):
     return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
 
 
-def _batch_hook_overridden(callbacks, kind, when):
-    """True when a callback overrides a batch hook (Keras' own test for async dispatch, by method identity)."""
+def _batch_hook_overridden(callbacks, kind, when, reading_logs=False):
+    """True when a callback overrides a batch hook (Keras' own test for async dispatch, by method identity).
+
+    With `reading_logs`, Keras' `ProgbarLogger` counts only when it draws a bar
+    (`verbose=1`): with `verbose=2` it counts steps and prints the epoch's logs at the end.
+    """
     names = (f"on_batch_{when}", f"on_{kind}_batch_{when}")
     return any(getattr(type(callback), name) is not getattr(keras.callbacks.Callback, name)
-               for callback in callbacks.callbacks for name in names)
+               for callback in callbacks.callbacks for name in names
+               if not (reading_logs and type(callback) is keras.callbacks.ProgbarLogger and callback.verbose != 1))
 
 
-def _run_pass(model, coordinator, kind, chunks, callbacks, progress):
+def _run_pass(model, coordinator, kind, chunks, callbacks):
     """Schedules every closure of one pass and merges their metric states in order.
 
-    Batch hooks run only when a callback overrides them, and logs (a
-    `metric.result()` per metric) are computed for a closure only when a
-    callback reads them or the progress bar is about to redraw: nothing
-    else does, and per closure they cost more than the merge.
+    Batch hooks run only when a callback overrides them (Keras'
+    `ProgbarLogger` does, with `verbose != 0`), and logs (a `metric.result()`
+    per metric) are computed for a closure only when a batch hook reads them
+    (not a `verbose=2` `ProgbarLogger`): nothing else does, and per closure
+    they cost more than the merge.
     """
     on_begin = getattr(callbacks, f"on_{kind}_batch_begin")
     on_end = getattr(callbacks, f"on_{kind}_batch_end")
     call_begin = _batch_hook_overridden(callbacks, kind, "begin")
     call_end = _batch_hook_overridden(callbacks, kind, "end")
+    read_logs = _batch_hook_overridden(callbacks, kind, "end", reading_logs=True)
     merger = _MetricMerger(model)
     values = [(begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count)))
               for begin, count, source in chunks]
@@ -168,11 +179,9 @@ def _run_pass(model, coordinator, kind, chunks, callbacks, progress):
             states, spec = value.get()
             merger.add(states, spec)
             last = position == len(values) - 1
-            logs = _results(model) if call_end or last else None
+            logs = _results(model) if read_logs or last else None
             if call_end:
                 on_end(begin + count - 1, logs)
-            if progress is not None:
-                progress.advance(count, lambda: logs if logs is not None else _results(model), last)
             if model.stop_training:
                 logs = _results(model)
                 break
@@ -190,40 +199,6 @@ def _run_pass(model, coordinator, kind, chunks, callbacks, progress):
     return logs or {}
 
 
-class _Progress:
-    """A tqdm bar on the chief: steps, steps/s, and the latest logs, retried closures and live workers.
-
-    The postfix is recomputed only when tqdm is about to redraw (at most
-    every `mininterval` seconds), so a fast pass does not compute logs for
-    every closure.
-    """
-
-    def __init__(self, coordinator, total, description):
-        self._coordinator = coordinator
-        self._bar = tqdm(total=total, desc=description, unit="step", leave=True, dynamic_ncols=True)
-        self._drawn_at = 0.0
-
-    def advance(self, steps, read_logs, last):
-        bar = self._bar
-        now = time.monotonic()
-        if last or now - self._drawn_at >= bar.mininterval:
-            stats = self._coordinator.stats
-            bar.set_postfix(
-                {**{k: f"{v:.4g}" for k, v in read_logs().items() if isinstance(v, float)},
-                 "retried": stats["closures_retried"],
-                 "workers": f"{stats['workers_available']}/{self._coordinator.num_workers}"},
-                refresh=False)
-            self._drawn_at = now
-        bar.update(steps)
-
-    def close(self):
-        self._bar.close()
-
-
-def _progress(verbose, coordinator, total, description):
-    return None if verbose == 0 else _Progress(coordinator, total, description)
-
-
 def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_data=None, shuffle=True, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1, **kwargs):
@@ -239,12 +214,15 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
         raise InvalidArgumentError(f"fit got unexpected arguments {unknown}.")
     coordinator = coordinator_for(strategy)
     source = EpochSource(coordinator, x, y, batch_size, steps_per_epoch, shuffle, "fit", "steps_per_epoch")
-    verbose = 1 if verbose == "auto" else verbose
+    verbose = resolve_verbose(verbose)
     pack = _pack(model)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
-            callbacks, add_history=True, add_progbar=False, verbose=verbose, epochs=epochs,
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
             steps=source.steps, model=model)
+        if verbose != 0:
+            # After Keras' ProgbarLogger, so the line follows the epoch's progress line.
+            callbacks.callbacks.append(CoordinatorStatusLogger(coordinator))
     model.stop_training = False
     callbacks.on_train_begin()
     training_logs = {}
@@ -252,12 +230,7 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
     for epoch in range(first_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
-        progress = _progress(verbose, coordinator, source.steps, f"Epoch {epoch + 1}/{epochs}")
-        try:
-            logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack), callbacks, progress)
-        finally:
-            if progress is not None:
-                progress.close()
+        logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack), callbacks)
         source.on_epoch_end()
         epoch_logs = dict(logs)
         if validation_data is not None and _should_evaluate(epoch, validation_freq):
@@ -283,19 +256,14 @@ def evaluate(model, strategy, x=None, y=None, batch_size=None, verbose="auto", s
         raise InvalidArgumentError(f"evaluate got unexpected arguments {sorted(kwargs)}.")
     coordinator = coordinator_for(strategy)
     source = EpochSource(coordinator, x, y, batch_size, steps, False, "evaluate", "steps")
-    verbose = 1 if verbose == "auto" else verbose
+    verbose = resolve_verbose(verbose)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
-            callbacks, add_history=False, add_progbar=False, verbose=verbose, epochs=1,
+            callbacks, add_history=False, add_progbar=verbose != 0, verbose=verbose, epochs=1,
             steps=source.steps, model=model)
     model.reset_metrics()
     callbacks.on_test_begin()
-    progress = _progress(verbose, coordinator, source.steps, "Evaluate")
-    try:
-        logs = _run_pass(model, coordinator, "test", source.epoch_sources(_pack(model)), callbacks, progress)
-    finally:
-        if progress is not None:
-            progress.close()
+    logs = _run_pass(model, coordinator, "test", source.epoch_sources(_pack(model)), callbacks)
     callbacks.on_test_end(logs)
     if return_dict:
         return logs
