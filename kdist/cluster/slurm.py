@@ -104,11 +104,13 @@ def _task_counts(environ, hosts, tasks_per_node, num_tasks, num_tasks_variable):
             text = environ["SLURM_STEP_TASKS_PER_NODE"]
             counts = expand_tasks_per_node(text, "SLURM_STEP_TASKS_PER_NODE")
             if len(counts) != len(hosts):
+                # Name the list that is short: too few hosts, or too few counts.
+                variable = "SLURM_STEP_NODELIST" if len(hosts) < len(counts) else "SLURM_STEP_TASKS_PER_NODE"
                 raise _environment_error(
-                    f"SLURM_STEP_TASKS_PER_NODE lists {len(counts)} nodes but SLURM_STEP_NODELIST="
-                    f"{environ.get('SLURM_STEP_NODELIST')!r} names {len(hosts)}.",
-                    "SLURM_STEP_TASKS_PER_NODE",
-                    text,
+                    f"SLURM_STEP_TASKS_PER_NODE={text!r} lists {len(counts)} nodes but "
+                    f"SLURM_STEP_NODELIST names {len(hosts)}.",
+                    variable,
+                    environ.get(variable),
                     "Expected one count per node of the node list.",
                 )
         elif len(hosts) == 1:
