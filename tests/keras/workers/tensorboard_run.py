@@ -28,6 +28,9 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+# Bound before kdist loads, as a user's `from keras.callbacks import TensorBoard` may be.
+from keras.callbacks import TensorBoard as KerasTensorBoardName  # noqa: E402
+
 
 def build_model():
     model = keras.Sequential(
@@ -49,6 +52,7 @@ def main():
     parser.add_argument("--options", default="{}", help="TensorBoard keyword arguments, as JSON")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--block-tensorflow", action="store_true")
+    parser.add_argument("--history", help="write fit's history and evaluate's result here, as JSON")
     args = parser.parse_args()
 
     import kdist
@@ -60,7 +64,7 @@ def main():
     y = (rng.random(40) > 0.5).astype("int32")
     rank = 0
     if args.strategy == "mirrored":
-        strategy = kdist.MirroredStrategy(devices=["cpu:0", "cpu:0"])
+        strategy = kdist.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     elif args.strategy == "multi_worker":
         strategy = kdist.MultiWorkerMirroredStrategy(
             communication_options=kdist.CommunicationOptions(timeout_seconds=60)
@@ -73,11 +77,14 @@ def main():
     if args.writer == "kdist":
         callback = kdist.callbacks.TensorBoard(args.log_dir, **options)
     else:
-        # Keras' own class: with TensorFlow installed kdist leaves it alone.
-        callback = keras.callbacks.TensorBoard(args.log_dir, **options)
+        # The user's unchanged Keras name: Keras' own class where TensorFlow works, kdist's otherwise.
+        callback = KerasTensorBoardName(args.log_dir, **options)
     print(f"pid={os.getpid()} rank={rank} class={type(callback).__module__}.{type(callback).__name__}", flush=True)
-    model.fit(x, y, batch_size=8, epochs=args.epochs, validation_split=0.25, callbacks=[callback], verbose=0)
-    model.evaluate(x, y, batch_size=8, callbacks=[callback], verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=args.epochs, validation_split=0.25, callbacks=[callback], verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=8, callbacks=[callback], verbose=0, return_dict=True)
+    if args.history and rank == 0:
+        with open(args.history, "w") as file:
+            json.dump({"history": history.history, "evaluate": evaluation}, file)
     print("done", sorted(os.listdir(args.log_dir)) if os.path.isdir(args.log_dir) else None, flush=True)
 
 
