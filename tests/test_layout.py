@@ -56,8 +56,8 @@ LAYERS = {
     "kdist.distribute": 5,
     "kdist.nn": 6,
     "kdist.keras": 7,
-    "kdist.backends": 8, "kdist.launch": 8,
-    "kdist.__main__": 9, "kdist.callbacks": 9, "kdist": 9,
+    "kdist.backends": 8, "kdist.launch": 8, "kdist.callbacks": 8,
+    "kdist.__main__": 9, "kdist": 9,
 }
 MAX_LINES = 400
 
