@@ -35,8 +35,8 @@ needs_tensorflow = pytest.mark.skipif(
     not tensorboard.tensorflow_summaries_available(),
     reason="Keras' own TensorBoard callback needs TensorFlow and tensorboard (not installed here)",
 )
-# Training values are identical in two plain runs; MirroredStrategy sums in another order.
-EXACT, MIRRORED = 1e-6, 1e-4
+# Two plain runs train identically: values are compared to float32 round-off.
+EXACT = 1e-6
 
 
 def _run(tmp_path, name, writer, options, *extra, envs=None):
