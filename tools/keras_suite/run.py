@@ -86,9 +86,9 @@ def copy_tests(source, patterns, folder):
     return copied
 
 
-def run_pytest(python, folder, mode, keyword, log):
+def run_pytest(python, folder, mode, keyword, work):
     args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kdist_suite_plugin",
-            "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), f"--junitxml={folder / (mode + '.xml')}"]
+            "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), f"--junitxml={work / (mode + '.xml')}"]
     if mode == "mirrored":
         args.append("--kdist-mirrored")
     if keyword:
@@ -97,7 +97,7 @@ def run_pytest(python, folder, mode, keyword, log):
     env = {**os.environ, "KERAS_BACKEND": "torch",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    with open(log, "w") as out:
+    with open(work / f"{mode}.log", "w") as out:
         code = subprocess.run(args, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     return code, time.monotonic() - start
 
@@ -144,12 +144,12 @@ def main(argv=None):
     copied = copy_tests(source, options.files, folder)
     modes = [options.only] if options.only else ["plain", "mirrored"]
     for mode in modes:
-        code, seconds = run_pytest(options.python, folder, mode, options.keyword, work / f"{mode}.log")
+        code, seconds = run_pytest(options.python, folder, mode, options.keyword, work)
         print(json.dumps({"what": "keras_suite", "mode": mode, "keras": version, "files": len(copied),
                           "exit_code": code, "seconds": round(seconds, 1)}), flush=True)
-    if len(modes) < 2 and not all((folder / f"{m}.xml").exists() for m in ("plain", "mirrored")):
+    if not all((work / f"{mode}.xml").exists() for mode in ("plain", "mirrored")):
         return 0
-    tally, rows = compare(outcomes(folder / "plain.xml"), outcomes(folder / "mirrored.xml"))
+    tally, rows = compare(outcomes(work / "plain.xml"), outcomes(work / "mirrored.xml"))
     (work / "comparison.json").write_text(json.dumps({"keras": version, "tally": tally, "tests": rows}, indent=1))
     print(json.dumps({"what": "keras_suite_tally", "keras": version, **tally}), flush=True)
     for test_id, row in rows.items():
