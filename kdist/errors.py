@@ -273,3 +273,13 @@ class ClusterEnvironmentError(InvalidArgumentError):
         super().__init__(message)
         self.variable = variable
         self.value = value
+
+
+class InputMismatchError(InvalidArgumentError):
+    """Ranks that should read the same global batch read different ones.
+
+    Raised by `fit`/`evaluate`/`predict` in a multi-worker job at the first
+    batch of an epoch, instead of silently training each rank on a slice of
+    its own different batch (1/N of the data). Fatal: declare the input per
+    rank (`kdist.distribute.per_rank`) or give every rank the full data.
+    """

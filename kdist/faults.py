@@ -62,6 +62,10 @@ class FaultInjection:
         coordinator_not_chief: the coordinator is not treated as the chief,
             so `model.save`, `ModelCheckpoint` and `BackupAndRestore` there
             write nothing (the bug TensorFlow's tutorial hit before).
+        sliced_per_rank_input: in a multi-worker job, slice input that is
+            already split per rank (a `DistributedSampler`, `per_rank`,
+            `distribute_datasets_from_function`) as if every rank read the
+            whole global batch, so each epoch trains on 1/N of the data.
     """
 
 
@@ -83,6 +87,7 @@ class FaultInjection:
     local_statistics: bool = False
     skip_pull: bool = False
     coordinator_not_chief: bool = False
+    sliced_per_rank_input: bool = False
 
 
 ACTIVE = FaultInjection()

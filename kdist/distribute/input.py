@@ -9,6 +9,7 @@ are.
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from kdist.distribute import nest
@@ -152,6 +153,11 @@ class DistributedDataset:
         self._num_replicas_in_sync = num_replicas_in_sync or len(devices)
         self._make_element = make_element or place_on_devices(devices)
 
+    @property
+    def global_batches(self):
+        """The dataset of global batches this one splits (what `fit` reads when given it)."""
+        return self._dataset
+
     def __iter__(self):
         first, count = self._first_replica, self._num_local_replicas
         for batch in self._dataset:
@@ -181,6 +187,28 @@ class DistributedDatasetFromFunction:
         self._make_element = make_element or place_on_devices(devices)
 
     def __iter__(self):
+        for elements in self._steps():
+            yield self._make_element(elements)
+
+    def rank_batches(self):
+        """This process's part of each step's global batch, as one batch (a generator).
+
+        The local replicas' elements concatenated in replica order: what `fit`,
+        `evaluate` and `predict` read when given this dataset. With one replica
+        per process that is each element as it is.
+        """
+        for elements in self._steps():
+            yield elements[0] if len(elements) == 1 else concatenate_batches(elements)
+
+    @property
+    def num_rank_batches(self):
+        """How many steps the dataset holds (None when its length is unknown)."""
+        try:
+            return len(self._dataset) // self._num_local_replicas
+        except TypeError:
+            return None
+
+    def _steps(self):
         iterator = iter(self._dataset)
         while True:
             elements = []
@@ -189,4 +217,94 @@ class DistributedDatasetFromFunction:
                     elements.append(next(iterator))
                 except StopIteration:
                     return
-            yield self._make_element(elements)
+            yield elements
+
+
+def concatenate_batches(batches):
+    """Batches of the same structure joined along the batch axis (NumPy or torch leaves)."""
+
+    def join(*leaves):
+        if isinstance(leaves[0], torch.Tensor):
+            return torch.cat([torch.as_tensor(leaf).to(leaves[0].device) for leaf in leaves])
+        if getattr(leaves[0], "shape", None) is not None and len(leaves[0].shape):
+            return np.concatenate([np.asarray(leaf) for leaf in leaves])
+        return leaves[0]
+
+    return nest.map_structure(join, *batches)
+
+
+class PerRankInput:
+    """Input whose every batch is this rank's part of the global batch (made by `per_rank`).
+
+    Attributes:
+        data: the input as given to `per_rank`.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+    def __repr__(self):
+        return f"per_rank({self.data!r})"
+
+
+def per_rank(data):
+    """Declares that `data` is already this rank's own part of every global batch.
+
+    By default every rank of a `MultiWorkerMirroredStrategy` job reads the same
+    global batches and trains on its own slice of each. Input that is already
+    split per rank (each rank reads its own files, a `tf.data` pipeline with
+    `.shard()`, a generator that yields this rank's samples) is declared with
+    `per_rank`: `fit`, `evaluate` and `predict` then use each batch whole as
+    this rank's part, and the global batch is the ranks' batches concatenated
+    in rank order (they may differ in size). Training equals plain Keras on
+    those concatenated batches. In one process, `per_rank(data)` is `data`.
+
+    A `torch.utils.data.DataLoader` whose sampler or batch sampler is a
+    `DistributedSampler` and the dataset of
+    `strategy.distribute_datasets_from_function` are recognised as per rank
+    without it.
+
+    Args:
+        data: a `keras.utils.PyDataset`, a generator, a
+            `torch.utils.data.DataLoader` or a `tf.data.Dataset` yielding this
+            rank's batches.
+
+    Returns:
+        A `PerRankInput` to pass as `x` (or `validation_data`) of `fit`,
+        `evaluate` or `predict`.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: `data` is in-memory arrays (a
+            tensor, array, list, tuple or dict), or an
+            `experimental_distribute_dataset` result, which holds global batches.
+
+    Example:
+
+    ```python
+    def batches():  # this rank's own files
+        for path in sorted(glob.glob(f"shards/rank{rank}-*.npz")):
+            part = np.load(path)
+            yield part["x"], part["y"]
+
+    model.fit(kdist.distribute.per_rank(batches()), epochs=1)
+    ```
+    """
+    if isinstance(data, (PerRankInput, DistributedDatasetFromFunction)):
+        return data
+    if isinstance(data, DistributedDataset):
+        raise InvalidArgumentError(
+            "per_rank() declares input that is already split per rank, but an "
+            "experimental_distribute_dataset() result holds global batches. Received: "
+            "data of type DistributedDataset. Pass it to fit as it is, or build per-rank "
+            "input with strategy.distribute_datasets_from_function."
+        )
+    if data is None or getattr(data, "shape", None) is not None or isinstance(data, (list, tuple, dict)):
+        raise InvalidArgumentError(
+            "per_rank() takes input that yields batches: a PyDataset, a generator, a "
+            f"DataLoader or a tf.data.Dataset. Received: data of type {type(data).__name__}. "
+            "For arrays that differ per rank, yield this rank's batches from a generator "
+            "or a keras.utils.PyDataset and pass that to per_rank()."
+        )
+    return PerRankInput(data)

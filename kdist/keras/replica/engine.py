@@ -42,6 +42,7 @@ from kdist.keras.replica import (
     gradient_overlap,
     loss_denominators,
     merged_step,
+    per_rank_input,
     process_sync,
     state_sync,
     step_logs,
@@ -201,6 +202,8 @@ class ReplicaEngine:
             )
         if self.processes is None:
             return local
+        if per_rank_input.uses_batch_whole():
+            return per_rank_input.gather_outputs(self, local)
         if all(n == 0 for _, _, n in replicas):
             local = keras.tree.map_structure(lambda leaf: leaf[:0], local)
         return self.processes.gather_outputs(local, batch)
@@ -230,9 +233,13 @@ class ReplicaEngine:
 
         In a multi-worker job a process whose replicas all get no sample runs
         replica 0 on the batch's first sample with size 0, so that it still
-        takes part in every collective; its results carry no weight.
+        takes part in every collective; its results carry no weight. A batch
+        of input split per rank is this process's part whole
+        (`per_rank_input`), and the global batch size is summed over processes.
         """
         if self.processes is not None:
+            if per_rank_input.uses_batch_whole():
+                return per_rank_input.local_shards(self, batch)
             return self.processes.local_shards(batch, self.num_replicas)
         shards = split_batch(batch, self.num_replicas)
         active = [(k, shard, n) for k, (shard, n) in enumerate(shards) if n > 0]

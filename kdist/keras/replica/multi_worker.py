@@ -6,6 +6,8 @@
   agree on the number of batches per epoch (the smallest), and for inputs
   other than arrays (generators, `PyDataset`, `DataLoader`) they agree before
   every step that each still has data: when one runs out, all stop the epoch.
+  Input already split per rank is used whole instead, and the first batch of
+  every epoch is compared across ranks (`kdist.keras.replica.per_rank_input`).
 - Side effects: only the chief (rank 0) shows a progress bar and runs
   `CSVLogger` and `TensorBoard`. `model.save`/`save_weights` are collectives:
   the chief writes to a temporary file, fsyncs it and renames it into place
@@ -30,21 +32,26 @@ import torch
 from kdist import atomic_files
 from kdist.errors import KdistError
 from kdist.keras import _compat, atomic_save
-from kdist.keras.replica import gradient_accumulation
+from kdist.keras.replica import gradient_accumulation, per_rank_input
 
 _active = threading.local()
 
 
 # ----- input ------------------------------------------------------------------
 @contextlib.contextmanager
-def input_synchronisation(collectives):
-    """While active (in this thread), Keras epoch iterators agree across ranks on when data ends."""
-    previous = getattr(_active, "collectives", None)
-    _active.collectives = collectives
+def input_synchronisation(collectives, inputs=None):
+    """While active (in this thread), Keras epoch iterators agree across ranks on when data ends.
+
+    `inputs`: the call's `per_rank_input.CallInputs` (what it declared per rank).
+    """
+    previous = (getattr(_active, "collectives", None), getattr(_active, "inputs", None))
+    previous_kind = per_rank_input.batch_kind()
+    _active.collectives, _active.inputs = collectives, inputs
     try:
         yield
     finally:
-        _active.collectives = previous
+        _active.collectives, _active.inputs = previous
+        per_rank_input.set_batch_kind(previous_kind)
 
 
 def synchronised_iterable(epoch_iterator, iterable):
@@ -61,17 +68,24 @@ def synchronised_iterable(epoch_iterator, iterable):
     smallest = int(smallest.item())
     if smallest != unknown_marker and smallest != known:
         _compat.set_epoch_iterator_num_batches(epoch_iterator, smallest)
-    if _compat.is_array_adapter(epoch_iterator):
-        return iterable  # same arrays everywhere: lengths already agree
-    return _HasDataIterable(iterable, collectives)
+    reading = per_rank_input.EpochInput(iterable, getattr(_active, "inputs", None), collectives)
+    # Same arrays everywhere: lengths already agree.
+    return _HasDataIterable(iterable, collectives, reading, agree_on_end=not _compat.is_array_adapter(epoch_iterator))
 
 
 class _HasDataIterable:
-    """Every `next` first agrees with the other ranks that each of them still has a batch."""
+    """Every `next` first agrees with the other ranks that each of them still has a batch.
 
-    def __init__(self, iterable, collectives):
+    `reading` (a `per_rank_input.EpochInput`) admits each batch: it sets the
+    batch's kind and compares the first batch of each epoch across ranks.
+    With `agree_on_end=False` (arrays) the ranks' lengths are known to agree.
+    """
+
+    def __init__(self, iterable, collectives, reading, agree_on_end=True):
         self._iterable = iterable
         self._collectives = collectives
+        self._reading = reading
+        self._agree_on_end = agree_on_end
 
     def __iter__(self):
         # iter() of the input now, not at the first next(), as Keras would:
@@ -89,10 +103,14 @@ class _HasDataIterable:
                 has_data = True
             except StopIteration:
                 batch, has_data = None, False
-            if not collectives.all_true(has_data, name="has_data"):
+            if not self._agree_on_end:
+                if not has_data:
+                    return
+            elif not collectives.all_true(has_data, name="has_data"):
                 # Another rank ran out: everyone ends the epoch here, and the
                 # batches only some ranks still had are dropped.
                 return
+            self._reading.admit(batch)
             yield batch
 
     def __len__(self):
@@ -123,11 +141,15 @@ _CHIEF_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
 
 
 def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
-    """Returns the (args, kwargs) a rank passes to Keras' fit/evaluate/predict."""
+    """Returns the `(args, kwargs, inputs)` a rank passes to Keras' fit/evaluate/predict.
+
+    `inputs`: the call's `per_rank_input.CallInputs`, for `input_synchronisation`.
+    """
     collectives = strategy.extended.collectives
     signature = inspect.signature(method)
     bound = signature.bind(model, *args, **kwargs)
     arguments = bound.arguments
+    inputs = per_rank_input.prepare_arguments(method.__name__, arguments, getattr(_active, "inputs", None))
     is_chief = strategy.extended.is_chief
     if not is_chief and "verbose" in signature.parameters:
         arguments["verbose"] = 0
@@ -146,8 +168,10 @@ def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
                 _create_checkpoint_directory(callback, strategy)
         if method.__name__ == "fit" and share_random_state:
             callbacks.insert(0, SharedRandomState(collectives))
+        if method.__name__ == "fit":
+            callbacks.insert(0, per_rank_input.EpochStarts())
         arguments["callbacks"] = callbacks
-    return bound.args[1:], bound.kwargs
+    return bound.args[1:], bound.kwargs, inputs
 
 
 def _create_checkpoint_directory(callback, strategy):
