@@ -87,6 +87,21 @@ def make_preexec(core_dumps=False):
     return preexec
 
 
+def log_path(log_dir, name):
+    """Where the output of process `name` goes in `log_dir`: `<log_dir>/<name>.log`."""
+    return os.path.join(log_dir, f"{name}.log")
+
+
+def mute_all_but(first_failure, children):
+    """Mutes every child but `first_failure`: their output then only goes to their logs.
+
+    Consequent errors (a `CollectiveTimeoutError` on every rank that waited for
+    the failed one) would otherwise bury the first failure's traceback.
+    """
+    for current in children:
+        current.muted = current is not first_failure
+
+
 class Child:
     """One process of a `ProcessSet`: its spec, output, threads, and what happened to it.
 
@@ -104,6 +119,8 @@ class Child:
         self.ended_at = None
         self.stopped = False  # The set asked it to stop; its exit is not a failure.
         self.aborted = False  # It was sent SIGABRT for a stack dump.
+        # Another process failed first (`mute_all_but`); a stack dump is echoed again.
+        self.muted = False
         self.num_restarts = 0  # Times it was started again after a failure.
         self.restart_at = None  # While a restart is pending: when it is due.
 
@@ -115,6 +132,10 @@ class Child:
     def alive(self):
         """Running, or ended with a restart pending."""
         return self.running or self.restart_at is not None
+
+    def echoing(self):
+        """Whether the output read now is echoed (read by the pump threads without a lock)."""
+        return not self.muted or self.aborted
 
     @property
     def failed(self):
@@ -144,7 +165,7 @@ class Child:
         log_file = None
         if log_dir is not None:
             mode = "a" if restarting else "w"
-            log_file = open(os.path.join(log_dir, f"{spec.name}.log"), mode, encoding="utf-8")
+            log_file = open(log_path(log_dir, spec.name), mode, encoding="utf-8")
         file_lock = threading.Lock()
         prefix = f"[{spec.name}] "
         pipes = ((output.STDOUT, self.popen.stdout), (output.STDERR, self.popen.stderr))
@@ -152,7 +173,9 @@ class Child:
         # be draining); `join` waits for them all.
         first_new = len(self.threads)
         for stream, pipe in pipes:
-            pump_args = (pipe, stream, self.log, sinks[stream], prefix, log_file, file_lock)
+            pump_args = (
+                pipe, stream, self.log, sinks[stream], prefix, log_file, file_lock, self.echoing
+            )
             self.threads.append(
                 threading.Thread(
                     target=output.pump,

@@ -10,24 +10,29 @@ the user's script as child processes, which do. `kdist server` (see
 import argparse
 import dataclasses
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 
 from kdist import __version__
 from kdist.cluster.address import MAX_PORT, is_port
 from kdist.errors import InvalidArgumentError
-from kdist.launch import job_secret, plans, server_cli
+from kdist.launch import failure_report, job_secret, plans, server_cli
 from kdist.launch.cluster_file import parse_task
 from kdist.launch.processes import ProcessSet, ProcessSetTimeout
-from kdist.launch.spec import describe_returncode
 
 DEFAULT_GRACE_SECONDS = 30.0
 # After SIGABRT (stack dump) or a daemon's SIGTERM, how long before SIGKILL.
 # faulthandler prints at once; servers get time for a clean shutdown.
 KILL_AFTER_SECONDS = 10.0
-# Lines of output kept in memory per process (they are echoed as they come).
+# Lines of output kept in memory per process (they are echoed as they come,
+# and every line is in the process's log file).
 KEEP_LINES = 1000
+# Without --log-dir, the logs go to a new directory in the temporary directory
+# (as torchrun's do), kept when the job fails so the summary can name them.
+LOG_DIR_PREFIX = "kdist-launch-"
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # As coreutils' `timeout`.
 # SIGHUP too (the terminal closed): the launcher then stops the job and removes
@@ -67,11 +72,17 @@ environment of each process:
               --cluster with tasks on other hosts makes none either.
 
 output and exit:
-  Each line a process writes is printed with its name: "[worker-1] loss: 0.3".
+  Each line a process writes is printed with its name: "[worker-1] loss: 0.3",
+  and written to DIR/<name>.log (--log-dir; by default a new kdist-launch-*
+  directory in the temporary directory, removed when the job succeeds).
   When a process fails, the others get --grace seconds to finish; then the stacks
-  of the survivors are printed (SIGABRT, faulthandler) and they are killed. The
-  exit code is the first failing process's (128 + N if signal N killed it), 0 if
-  none failed, 124 on --timeout. Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every
+  of the survivors are printed (SIGABRT, faulthandler) and they are killed. After
+  the first failure only its output and those stacks are printed; the others'
+  output (their consequent errors) goes to their logs only. At the end the
+  launcher names the first failure and its exception, then each other failed
+  process in one line with its exception and log file. The exit code is the
+  first failing process's (128 + N if signal N killed it), 0 if none failed,
+  124 on --timeout. Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every
   process, SIGKILL after --grace seconds, and exits 130 (SIGINT), 143 (SIGTERM) or
   129 (SIGHUP); a second Ctrl-C kills at once. Processes die with the launcher (Linux).
   Daemon jobs (default: ps with --workers, none with --cluster) serve until
@@ -179,7 +190,10 @@ def _add_launch_arguments(parser):
         help="limit for the whole job (default: none)",
     )
     job.add_argument(
-        "--log-dir", metavar="DIR", help="also write each process's output to DIR/<name>.log"
+        "--log-dir",
+        metavar="DIR",
+        help="also write each process's output to DIR/<name>.log (default: a new directory in "
+        "the temporary directory, removed when the job succeeds)",
     )
     job.add_argument(
         "-m",
@@ -239,12 +253,34 @@ def _job_secret(args):
 
 
 def _run_processes(args, specs):
+    log_dir, made_log_dir = _log_dir(args)
+    code = 1
+    try:
+        code = _run_job(args, specs, log_dir)
+    finally:
+        if made_log_dir and code == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return code
+
+
+def _log_dir(args):
+    """Returns `(directory, made_here)`: --log-dir, else a new temporary directory, else None."""
+    if args.log_dir is not None:
+        return args.log_dir, False
+    try:
+        return tempfile.mkdtemp(prefix=LOG_DIR_PREFIX), True
+    except OSError as error:
+        _say(f"could not make a log directory ({error}); output is kept in memory only")
+        return None, False
+
+
+def _run_job(args, specs, log_dir):
     processes = ProcessSet(
         specs,
         grace_seconds=args.grace,
         kill_after_seconds=KILL_AFTER_SECONDS,
         keep_lines=KEEP_LINES,
-        log_dir=args.log_dir,
+        log_dir=log_dir,
     )
     with _StopOnSignal(processes, args.grace) as stopper:
         try:
@@ -254,7 +290,8 @@ def _run_processes(args, specs):
                 _say(f"could not start the processes: {error}")
                 return 1
             pids = processes.pids
-            _say("started " + ", ".join(f"{name} (pid {pids[name]})" for name in processes.names))
+            started = ", ".join(f"{name} (pid {pids[name]})" for name in processes.names)
+            _say(f"started {started}" + ("" if log_dir is None else f"; logs in {log_dir}"))
             processes.wait(args.timeout)
         except ProcessSetTimeout as error:
             _say(str(error))
@@ -266,11 +303,8 @@ def _run_processes(args, specs):
                 processes.stop_all("the launcher is exiting", timeout=args.grace)
     if stopper.received is not None:
         return 128 + stopper.received
-    failure = processes.first_failure()
-    if failure is not None:
-        name, returncode = failure
-        code = processes.exit_code()
-        _say(f"{name} failed first: it {describe_returncode(returncode)}; exit code {code}")
+    for line in failure_report.failure_summary(processes, log_dir):
+        _say(line)
     return processes.exit_code()
 
 

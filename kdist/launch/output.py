@@ -141,11 +141,18 @@ class PrefixedSink:
         self._states = {}  # prefix -> _FRESH / _RETURNED / _INLINE
         self._open = None  # The prefix whose line is unfinished on the target.
 
-    def write(self, prefix, text):
-        """Writes `text` with `prefix` on each line; a closed or broken target is ignored."""
+    def write(self, prefix, text, echoing=None):
+        """Writes `text` with `prefix` on each line; a closed or broken target is ignored.
+
+        `echoing`, if given, is asked under the sink's lock: when it returns
+        False nothing is written. So a writer muted before a message went
+        through this sink writes nothing after that message.
+        """
         if not self._enabled or not text:
             return
         with self._lock:
+            if echoing is not None and not echoing():
+                return
             pieces = []
             if self._open not in (None, prefix):
                 pieces.append("\n")
@@ -211,12 +218,14 @@ class _LineSplitter:
         return rest + "\n" if rest else ""
 
 
-def pump(pipe, stream, log, sink, prefix, log_file=None, log_file_lock=None):
+def pump(pipe, stream, log, sink, prefix, log_file=None, log_file_lock=None, echoing=None):
     """Copies `pipe` into `sink` as it arrives and, line by line, into `log` and `log_file`.
 
     Runs in its own thread until end of file; closes `pipe`. A child that never
     ends keeps this thread blocked, which is why pump threads are daemons and the
     owner joins them with a deadline. A last line without a newline gets one.
+    `echoing`, if given, is passed to `sink.write`: while it returns False the
+    text goes only to `log` and `log_file` (the owner muted the child).
     """
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     splitter = _LineSplitter()
@@ -230,7 +239,7 @@ def pump(pipe, stream, log, sink, prefix, log_file=None, log_file_lock=None):
                     log_file.flush()
 
     def forward(text):
-        sink.write(prefix, text)
+        sink.write(prefix, text, echoing)
         record(splitter.feed(text))
 
     # read1 returns what the pipe holds as soon as it holds anything; a raw

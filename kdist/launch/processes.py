@@ -6,7 +6,8 @@ first failure's exit code is the set's; after it the other processes get
 are killed; daemons (parameter servers) are stopped once the others ended; a
 spec with a `RestartPolicy` is restarted instead of failing while it has restarts.
 `wait(timeout)` past its deadline dumps the stacks of everything still running,
-kills it and raises `ProcessSetTimeout` naming it.
+kills it and raises `ProcessSetTimeout` naming it. After the first failure only
+its output and the stack dumps are echoed; the others' goes to their logs.
 
 Every child starts in its own session (Ctrl-C on the terminal reaches only the
 launcher, which decides how to stop the children) and, on Linux, dies with its
@@ -61,8 +62,7 @@ class ProcessSet:
     Args:
         specs: `ProcessSpec`s (more can be `add`ed before `start`).
         grace_seconds: after the first failure, how long the others may run on.
-        kill_after_seconds: how long a process gets after SIGABRT or SIGTERM
-            before SIGKILL.
+        kill_after_seconds: how long a process gets after SIGABRT or SIGTERM before SIGKILL.
         echo: False keeps output in memory only.
         stdout, stderr: text streams for the echoed lines; None means the
             current `sys.stdout` / `sys.stderr` at each write.
@@ -185,7 +185,8 @@ class ProcessSet:
             current.ended_at = time.monotonic()
             self._exits += 1
             self._policy.on_exit(list(self._children.values()), current, current.ended_at)
-            if current.failed and not current.aborted:
+            if current.failed and not current.aborted and not current.muted:
+                child.mute_all_but(current, self._children.values())  # The first failure.
                 what = describe_returncode(returncode)
                 self._announce(f"{current.spec.name} (pid {current.popen.pid}) {what}")
             self._condition.notify_all()
@@ -198,14 +199,15 @@ class ProcessSet:
         with self._condition:
             return {name: c.returncode for name, c in self._children.items()}
 
+    def failures(self):
+        """Returns `(name, returncode)` of every process that failed, in the order they ended."""
+        with self._condition:
+            ends = sorted((c.exit_order, n) for n, c in self._children.items() if c.failed)
+            return [(name, self._children[name].returncode) for _, name in ends]
+
     def first_failure(self):
         """Returns `(name, returncode)` of the earliest process to fail, or None."""
-        with self._condition:
-            failed = [c for c in self._children.values() if c.failed]
-            if not failed:
-                return None
-            first = min(failed, key=lambda c: c.exit_order)
-            return first.spec.name, first.returncode
+        return next(iter(self.failures()), None)
 
     def exit_code(self):
         """The first failure's code as a shell reports it (signal N -> 128 + N), or 0."""
