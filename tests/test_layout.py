@@ -32,6 +32,8 @@ DOCUMENTED_IMPORTS = [
     "from kdist.distribute import ShardedVariable, RemoteVariable, Server, partitioners",
     "from kdist.distribute.parameter_server import partitioners",
     "from kdist.cluster import TFConfigClusterResolver, SimpleClusterResolver, ClusterSpec",
+    "from kdist.cluster import SlurmClusterResolver, KubeflowTrainerClusterResolver, expand_hostlist",
+    "from kdist.callbacks import TensorBoard",
     "from kdist.coordinator import ClusterCoordinator, PerWorkerDataset, RemoteValue",
     "from kdist.ps import Security, ServiceOptions",
     "from kdist.keras.sync_batchnorm import convert, is_synchronized",

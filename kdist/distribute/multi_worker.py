@@ -27,10 +27,11 @@ from kdist.types import ReduceOp
 # processes, started with plain `python`, would otherwise train alone silently.
 SINGLE_WORKER_MESSAGE = (
     "MultiWorkerMirroredStrategy found no cluster in the environment (no TF_CONFIG cluster, "
-    "no torchrun variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and runs as a single "
-    "worker: this process alone. To train in N processes, start the script with "
-    "`kdist launch --nproc N script.py`, with torchrun, or with a TF_CONFIG in each process's "
-    "environment (docs/multi_worker.md). To run as one worker without this warning, pass "
+    "no torchrun variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, no srun step, no "
+    "Kubeflow Trainer PET_* variables) and runs as a single worker: this process alone. To "
+    "train in N processes, start the script with `kdist launch --nproc N script.py`, with "
+    "torchrun, with `srun`, or with a TF_CONFIG in each process's environment "
+    "(docs/multi_worker.md). To run as one worker without this warning, pass "
     "cluster_resolver=kdist.cluster.local_cluster_resolver()."
 )
 
