@@ -28,8 +28,10 @@ CPU, Keras 3.15.1, 2 logical replicas, 2026-11-27): the defaults (6000 training
 samples, up to 30 epochs; EarlyStopping ends after 16) reach a test accuracy of
 0.964 in 20 s wall time, start-up included, while the cores were nearly idle
 (load average 1.4), and in 67 s while other jobs kept them busy (load average
-2.6 to 3.7). `--small` (2000 samples, 20 epochs) is the size CI runs. The data
-and seeds are fixed, so a CPU run repeats these accuracies.
+2.6 to 3.7). That environment has TensorFlow installed, which Keras imports
+for its first `.keras` save (about 3 s); the quick start's does not.
+`--small` (2000 samples, 20 epochs) is the size CI runs. The data and seeds
+are fixed, so a CPU run repeats these accuracies.
 
 Usage:
 
