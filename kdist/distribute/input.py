@@ -5,6 +5,10 @@ a `torch.utils.data.DataLoader`, a `keras.utils.PyDataset`, or a generator
 function's result. Leaves of a batch may be NumPy arrays or torch tensors;
 torch tensors are moved to the replica's device, NumPy arrays are left as they
 are.
+
+`per_rank(x)` declares input whose batches are already this rank's part of
+every global batch, for Keras' `fit`/`evaluate`/`predict` in a multi-worker
+job (`kdist.keras.replica.per_rank_input` reads it).
 """
 
 import dataclasses

@@ -245,6 +245,10 @@ class Strategy:
 
         Each step takes one element per replica from the returned dataset. The
         function must batch with `ctx.get_per_replica_batch_size(global_batch)`.
+        The result may also be passed to Keras' `fit`, `evaluate` and `predict`
+        (or as `validation_data`): each process's batches are its part of the
+        global batch, which is the processes' batches concatenated in rank
+        order (see docs/multi_worker.md, "Input already split per rank").
 
         Raises:
             kdist.errors.InvalidArgumentError: `dataset_fn` is not a function,

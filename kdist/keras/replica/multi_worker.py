@@ -168,8 +168,8 @@ def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
                 _create_checkpoint_directory(callback, strategy)
         if method.__name__ == "fit" and share_random_state:
             callbacks.insert(0, SharedRandomState(collectives))
-        if method.__name__ == "fit":
-            callbacks.insert(0, per_rank_input.EpochStarts())
+        if inputs.epochs is not None:
+            callbacks.insert(0, inputs.epochs)
         arguments["callbacks"] = callbacks
     return bound.args[1:], bound.kwargs, inputs
 

@@ -64,12 +64,14 @@ class CallInputs:
         validation_per_rank: `fit`'s `validation_data` was declared per rank.
         validation: that validation input as Keras receives it (its nested
             `evaluate` is recognised by identity).
+        epochs: `fit`'s `EpochStarts` callback (None for `evaluate`/`predict`).
     """
 
     argument: str = "x"
     per_rank: bool = False
     validation_per_rank: bool = False
     validation: object = None
+    epochs: object = None
 
 
 def prepare_arguments(name, arguments, enclosing=None):
@@ -94,7 +96,8 @@ def prepare_arguments(name, arguments, enclosing=None):
     argument = f"{name}'s x"
     if name == "evaluate" and enclosing is not None and x is not None and x is enclosing.validation:
         argument, per_rank = "validation_data", enclosing.validation_per_rank
-    return CallInputs(argument, per_rank, validation_per_rank, validation)
+    epochs = EpochStarts() if name == "fit" else None
+    return CallInputs(argument, per_rank, validation_per_rank, validation, epochs)
 
 
 def unwrap_one_process(args, kwargs):
@@ -220,10 +223,14 @@ def gather_outputs(engine, local_outputs):
 
 # ----- epochs and the first-batch check --------------------------------------------
 class EpochStarts(keras.callbacks.Callback):
-    """Counts `fit`'s epochs in this thread, so an input read across epochs is checked at each one."""
+    """Counts the epochs one `fit` call began, so an input read across epochs is checked at each one."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        _local.epoch = getattr(_local, "epoch", 0) + 1
+        self.count += 1
 
 
 class EpochInput:
@@ -249,7 +256,12 @@ class EpochInput:
     def admit(self, batch):
         """Called on every rank before each batch goes to Keras; checks the first of each epoch."""
         set_batch_kind(self.per_rank)
-        epoch = getattr(_local, "epoch", 0)
+        epochs = self._inputs.epochs
+        epoch = 0 if epochs is None else epochs.count
+        if epochs is not None and not epoch:
+            # fit peeks at a batch for the model's shapes before its first
+            # epoch, before rank 0's random state is shared: not trained on.
+            return
         if self._checked and epoch == self._checked_epoch:
             return
         self._checked, self._checked_epoch = True, epoch
