@@ -7,7 +7,7 @@ to the child's `OutputLog` (and log file).
 
 The sink starts every line, and every carriage-return segment, with the child's
 prefix: a child writing `"a\rb\rc\n"` shows as `"[chief-0] a\r[chief-0] b\r[chief-0] c\n"`,
-so progress bars (tqdm, Keras' `Progbar`) stay live and keep their prefix. Text
+so progress bars (Keras' `Progbar`, tqdm) stay live and keep their prefix. Text
 is forwarded without waiting for a newline; when another child writes while a
 line is unfinished, the sink ends that line first and the unfinished one goes on
 under a fresh prefix, so lines of different children never share a row.
