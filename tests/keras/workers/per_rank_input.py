@@ -11,9 +11,12 @@ and prints `CAUGHT <case> <error class>: <message>` (or `SKIP <case>: <why>`).
 Scenarios (each rank reads its own batches; the reference is plain Keras on
 the ranks' batches concatenated in rank order, `global_batches`):
 
-- `sampler`, `sampler_shuffled`: a `DataLoader` whose sampler is a
-  `DistributedSampler` (101 samples, batch 8 per rank, the last padded),
-  unshuffled, or shuffled with `set_epoch` called by a callback;
+- `sampler`: a `DataLoader` whose sampler is a `DistributedSampler` (101
+  samples, batch 8 per rank, the last padded), unshuffled;
+- `sampler_shuffled`: the same shuffled, as the sampler of a `BatchSampler`
+  (the batch sampler's case), with `set_epoch` called by a callback (Keras
+  3.16 calls `set_epoch` itself, with its own count, only on a loader's
+  `sampler`);
 - `from_function`: `strategy.distribute_datasets_from_function` with an
   `InputContext` (rank r keeps `x[r::2]`: 51 and 50 samples, so the last
   global batch is 3 + 2);
@@ -176,7 +179,7 @@ def _generator(batches):
 
 def train_rank(scenario, strategy, rank):
     import torch
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
     from kdist.distribute.input import per_rank
 
@@ -184,10 +187,15 @@ def train_rank(scenario, strategy, rank):
     with strategy.scope():
         model = build_model()
     callbacks, fit_kwargs = [], {}
-    if scenario in ("sampler", "sampler_shuffled"):
+    if scenario == "sampler":
         dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
-        sampler = DistributedSampler(dataset, shuffle=scenario == "sampler_shuffled", seed=0)
+        sampler = DistributedSampler(dataset, shuffle=False)
         train = evaluate = predict = DataLoader(dataset, batch_size=SAMPLER_BATCH, sampler=sampler)
+    elif scenario == "sampler_shuffled":
+        dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+        batches = BatchSampler(sampler, SAMPLER_BATCH, drop_last=False)
+        train = evaluate = predict = DataLoader(dataset, batch_sampler=batches)
         callbacks.append(SetSamplerEpoch(sampler))
     elif scenario == "from_function":
 
