@@ -126,11 +126,9 @@ def train_with_fit(strategy, working_dir, preempt_after_epoch):
     log_dir = os.path.join(working_dir, 'log')
     ckpt_filepath = os.path.join(working_dir, 'ckpt.keras')  # kdist: Keras 3 names the format
     backup_dir = os.path.join(working_dir, 'backup')
-    os.makedirs(log_dir, exist_ok=True)  # kdist: CSVLogger does not make its directory
 
     callbacks = [
-        # kdist: keras.callbacks.TensorBoard(log_dir=log_dir) needs TensorFlow and TensorBoard.
-        keras.callbacks.CSVLogger(os.path.join(log_dir, 'training.csv')),
+        keras.callbacks.TensorBoard(log_dir=log_dir),
         keras.callbacks.ModelCheckpoint(filepath=ckpt_filepath),
         keras.callbacks.BackupAndRestore(backup_dir=backup_dir),
     ]
