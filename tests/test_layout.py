@@ -34,6 +34,7 @@ DOCUMENTED_IMPORTS = [
     "from kdist.cluster import TFConfigClusterResolver, SimpleClusterResolver, ClusterSpec",
     "from kdist.cluster import SlurmClusterResolver, KubeflowTrainerClusterResolver, expand_hostlist",
     "from kdist.callbacks import TensorBoard",
+    "from kdist.distribute import per_rank, PerRankInput",
     "from kdist.coordinator import ClusterCoordinator, PerWorkerDataset, RemoteValue",
     "from kdist.ps import Security, ServiceOptions",
     "from kdist.keras.sync_batchnorm import convert, is_synchronized",

@@ -14,7 +14,9 @@ from kdist.distribute.input import (
     DistributedDataset,
     DistributedDatasetFromFunction,
     InputContext,
+    PerRankInput,
     ValueContext,
+    per_rank,
 )
 from kdist.distribute.mirrored import MirroredStrategy
 from kdist.distribute.multi_worker import MultiWorkerMirroredStrategy
@@ -35,6 +37,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "PerRankInput",
     "PerReplica",
     "RemoteVariable",
     "ReplicaContext",
@@ -49,4 +52,5 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "partitioners",
+    "per_rank",
 ]
