@@ -66,6 +66,9 @@ class FaultInjection:
             already split per rank (a `DistributedSampler`, `per_rank`,
             `distribute_datasets_from_function`) as if every rank read the
             whole global batch, so each epoch trains on 1/N of the data.
+        unsynced_torch_buffers: let every replica update the buffers of torch
+            modules inside `TorchModuleWrapper` layers (BatchNorm running
+            statistics) in place, one after another, with no reconciliation.
     """
 
 
@@ -88,6 +91,7 @@ class FaultInjection:
     skip_pull: bool = False
     coordinator_not_chief: bool = False
     sliced_per_rank_input: bool = False
+    unsynced_torch_buffers: bool = False
 
 
 ACTIVE = FaultInjection()

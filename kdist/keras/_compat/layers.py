@@ -87,6 +87,20 @@ def _probe_torch_module_wrapper():
     return wrapper
 
 
+def torch_wrapped_modules(model):
+    """`(name, module)` of the torch module each `TorchModuleWrapper` layer of the model holds.
+
+    `name` is the wrapper layer's name. Empty off the torch backend.
+    """
+    if keras.backend.backend() != "torch":
+        return []
+    return [
+        (layer.name, layer.module)
+        for layer in model._flatten_layers(include_self=True)
+        if isinstance(layer, keras.layers.TorchModuleWrapper)
+    ]
+
+
 def torch_batchnorm_modules(model):
     """`(name, module)` of every torch BatchNorm module inside the model's `TorchModuleWrapper` layers.
 
@@ -95,15 +109,11 @@ def torch_batchnorm_modules(model):
     `SyncBatchNorm`): torch refuses to train them on one value per channel.
     Empty off the torch backend.
     """
-    if keras.backend.backend() != "torch":
-        return []
     import torch
 
     found = []
-    for layer in model._flatten_layers(include_self=True):
-        if not isinstance(layer, keras.layers.TorchModuleWrapper):
-            continue
-        for path, module in layer.module.named_modules():
+    for wrapper_name, root in torch_wrapped_modules(model):
+        for path, module in root.named_modules():
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                found.append((f"{layer.name}/{path}" if path else layer.name, module))
+                found.append((f"{wrapper_name}/{path}" if path else wrapper_name, module))
     return found

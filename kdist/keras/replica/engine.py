@@ -353,6 +353,7 @@ class ReplicaEngine:
                 # A train_step that forgets zero_grad must not mix this
                 # replica's gradients into the previous replica's.
                 model.zero_grad(set_to_none=True)
+            state.torch_buffers.start_replica(replica_id, training)  # torch modules' own buffers
             logs = step_fn(shard)
         return scope, logs
 

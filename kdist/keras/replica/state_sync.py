@@ -23,12 +23,15 @@ global batch:
   "sum" sums the deltas, "only_first_replica" takes replica 0, anything else
   takes the batch-size-weighted mean. For BatchNorm this averages each
   replica's update (local batch statistics); it is not SyncBatchNorm.
+- buffers of torch modules inside `TorchModuleWrapper` layers (torch
+  BatchNorm's running statistics): the same rule, floating-point buffers by
+  batch-size-weighted mean, counters from replica 0 (see `torch_buffers`).
 """
 
 import torch
 
 from kdist.keras import _compat
-from kdist.keras.replica import float8_sync
+from kdist.keras.replica import float8_sync, torch_buffers
 
 # Replica k runs with its seed-generator state shifted by k * this amount in the
 # seed component, far beyond the per-step counter increments.
@@ -68,6 +71,7 @@ class StateVariables:
         self.has_weight_regularizers = any(
             getattr(v, "regularizer", None) is not None for v in self.trainable
         )
+        self.torch_buffers = torch_buffers.TorchBuffers(model)
         # A model built lazily by its first predict batch gains variables after
         # this snapshot; an unbuilt snapshot is taken again at the next step.
         self.complete = model.built
@@ -135,7 +139,8 @@ def plan_contributions(state, scopes, weights, holds_first_replica=True, for_all
         if contribution is None and for_all_reduce:
             contribution = _unchanged(before, rule, shares, holds_first_replica)
         contributions.append(contribution)
-    return plan, contributions
+    buffer_plan, buffer_contributions = state.torch_buffers.plan_contributions(list(shares), holds_first_replica)
+    return plan + buffer_plan, contributions + buffer_contributions
 
 
 def loss_total_scales(weights, loss_is_summed):
@@ -154,6 +159,9 @@ def assign(plan, combined_values):
     """Assigns each variable its combined contribution (None: left unchanged)."""
     for (variable, rule), combined in zip(plan, combined_values):
         if combined is None:
+            continue
+        if rule == torch_buffers.RULE:
+            variable.assign(combined)
             continue
         before = _compat.torch_tensor_of(variable)
         if rule in (_SUM, _SCALED_SUM):
