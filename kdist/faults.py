@@ -69,6 +69,12 @@ class FaultInjection:
         unsynced_torch_buffers: let every replica update the buffers of torch
             modules inside `TorchModuleWrapper` layers (BatchNorm running
             statistics) in place, one after another, with no reconciliation.
+        dropped_row_gradient: a parameter server's sparse row update leaves
+            out the first touched row.
+        row_applied_twice: a parameter server's sparse row update counts the
+            first touched row's gradient twice.
+        unsummed_duplicate_ids: a parameter server's sparse row update keeps
+            one occurrence of a repeated id instead of summing them.
     """
 
 
@@ -92,6 +98,9 @@ class FaultInjection:
     coordinator_not_chief: bool = False
     sliced_per_rank_input: bool = False
     unsynced_torch_buffers: bool = False
+    dropped_row_gradient: bool = False
+    row_applied_twice: bool = False
+    unsummed_duplicate_ids: bool = False
 
 
 ACTIVE = FaultInjection()
