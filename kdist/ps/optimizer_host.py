@@ -14,6 +14,9 @@ unique among the same variable's slots. The worker's optimizer wrapper
 same function, so each slot the server reports (`optimizer_state`, a
 checkpoint) finds its local twin even when one variable has two slots of the
 same short name.
+
+Row gradients go through `apply_rows`: to the touched rows only where that is
+exact or opted into (`kdist.ps.row_updates`), else as Keras' dense update.
 """
 
 import json
@@ -22,6 +25,7 @@ import keras
 
 from kdist.errors import InvalidArgumentError
 from kdist.ps import dtypes
+from kdist.ps.row_updates import CONFIG_KEY, RowUpdates, check_sparse_updates, sparse_refusal
 
 
 def canonical_config(config):
@@ -50,6 +54,10 @@ def canonical_config(config):
     if isinstance(config.get("config"), dict):
         config = {**config, "config": {key: value for key, value in config["config"].items()
                                        if key != "name"}}
+    if CONFIG_KEY in config:
+        check_sparse_updates(config[CONFIG_KEY], f"The optimizer config's {CONFIG_KEY!r}")
+        if config[CONFIG_KEY] == "exact":  # the default: one canonical form
+            config = {key: value for key, value in config.items() if key != CONFIG_KEY}
     try:
         return json.dumps(config, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as error:
@@ -61,15 +69,16 @@ def canonical_config(config):
 
 
 def deserialize_optimizer(config_json):
-    """Builds a fresh optimizer instance from canonical config JSON.
+    """Builds a fresh optimizer instance from canonical config JSON (its `sparse_updates` aside).
 
     Raises:
         kdist.errors.InvalidArgumentError: Keras cannot rebuild it, it is not
             an optimizer, or it uses `global_clipnorm`, which needs every
             gradient of a step at once (updates here are per variable).
     """
+    config = {key: value for key, value in json.loads(config_json).items() if key != CONFIG_KEY}
     try:
-        optimizer = keras.optimizers.deserialize(json.loads(config_json))
+        optimizer = keras.optimizers.deserialize(config)
     except Exception as error:  # Keras raises many types for bad configs.
         raise InvalidArgumentError(
             f"keras.optimizers.deserialize cannot rebuild the optimizer config: "
@@ -95,8 +104,14 @@ class VariableOptimizer:
     Not thread-safe: the owner holds the variable's lock around every call.
 
     Args:
-        config_json: canonical JSON of `keras.optimizers.serialize(optimizer)`.
+        config_json: canonical JSON of `keras.optimizers.serialize(optimizer)`,
+            with an optional top-level `"sparse_updates": "lazy"`.
         variable: the server's `keras.Variable`.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: see `deserialize_optimizer`, or
+            `sparse_updates="lazy"` with an optimizer that cannot run on
+            gathered rows.
 
     Example:
 
@@ -121,6 +136,17 @@ class VariableOptimizer:
         self.optimizer.add_variable_from_reference = record_slot
         with keras.device("cpu"):
             self.optimizer.build([variable])
+        self.sparse_updates = json.loads(config_json).get(CONFIG_KEY, "exact")
+        refusal = sparse_refusal(self.optimizer, variable, self.slots, self.sparse_updates)
+        if refusal and self.sparse_updates == "lazy":
+            raise InvalidArgumentError(
+                f"sparse_updates='lazy' cannot apply {type(self.optimizer).__name__} to the "
+                f"touched rows of {variable.name!r}: {refusal}. Received: config="
+                f"{config_json[:200]}. Use sparse_updates='exact' (Keras' dense update) or "
+                "one of SGD, Adagrad, Adam, AdamW, RMSprop without EMA or accumulation."
+            )
+        builtin = type(self.optimizer).__module__.startswith("keras.")
+        self.rows = RowUpdates(self, sparse=refusal is None, builtin=builtin)
 
     @property
     def handles_non_finite_gradients(self):
@@ -132,6 +158,16 @@ class VariableOptimizer:
         """Applies the torch `gradient` (shaped like the variable) to the variable."""
         with keras.device("cpu"):
             self.optimizer.apply([gradient], [self.variable])
+
+    def apply_rows(self, ids, rows):
+        """Applies the row gradient `(ids, rows)` (NumPy; ids int64 and in range).
+
+        Returns:
+            `(sparse, num_rows)`: whether only the touched rows were updated,
+            and how many distinct rows the gradient touched.
+        """
+        with keras.device("cpu"):
+            return self.rows.sparse, self.rows.apply(ids, rows)
 
     @property
     def iterations(self):
@@ -200,8 +236,10 @@ def slot_name(name, taken):
 def config_differences(old_json, new_json):
     """Returns `{key: (old, new)}` for the optimizer arguments that differ."""
     old, new = json.loads(old_json), json.loads(new_json)
-    old_arguments = {"class_name": old.get("class_name"), **(old.get("config") or {})}
-    new_arguments = {"class_name": new.get("class_name"), **(new.get("config") or {})}
+    old_arguments = {"class_name": old.get("class_name"), CONFIG_KEY: old.get(CONFIG_KEY, "exact"),
+                     **(old.get("config") or {})}
+    new_arguments = {"class_name": new.get("class_name"), CONFIG_KEY: new.get(CONFIG_KEY, "exact"),
+                     **(new.get("config") or {})}
     return {
         key: (old_arguments.get(key), new_arguments.get(key))
         for key in sorted(set(old_arguments) | set(new_arguments))

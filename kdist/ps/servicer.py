@@ -25,6 +25,7 @@ from kdist.ps import checkpoint, codec
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.methods import METHODS, SERVICE_NAME
 from kdist.ps.options import ServiceOptions
+from kdist.ps.row_updates import check_row_ids
 from kdist.ps.status import FailedPreconditionError, cap_detail, name_list, status_code
 from kdist.ps.store import GradientSpec
 from kdist.ps.stream_guard import StreamGuard
@@ -215,9 +216,11 @@ class VariableServicer:
             for item, entry in zip(header.items, entries):
                 dtype, shape = codec.parse_meta(item.ids, f"ids of {item.name!r}")
                 if dtype != np.int64 or not entry.shape:
+                    # Float ids are refused here, not rounded: 2.7 names no row.
                     raise InvalidArgumentError(
                         f"Lookup ids must be int64 and index a variable with rows. Received: "
-                        f"ids of dtype {dtype.name} for {entry.describe('variable')}."
+                        f"ids of dtype {dtype.name} for {entry.describe('variable')}"
+                        f"{f' (V={entry.shape[0]} rows)' if entry.shape else ''}."
                     )
                 shapes.append((dtype, shape))
             return shapes
@@ -225,11 +228,7 @@ class VariableServicer:
         _, ids_arrays = codec.read_stream(frames, layout, "lookup")
         self.store.count_bytes(received=sum(ids.nbytes for ids in ids_arrays))
         for ids, entry in zip(ids_arrays, entries):
-            if ids.size and (ids.min() < 0 or ids.max() >= entry.shape[0]):
-                raise InvalidArgumentError(
-                    f"Lookup ids of {entry.describe('variable')} must be in [0, "
-                    f"{entry.shape[0]}). Received: ids from {ids.min()} to {ids.max()}."
-                )
+            check_row_ids(entry, ids, "the lookup of")
         with locked(entries):
             results = [(np.take(entry.array, ids, axis=0), entry.version)
                        for ids, entry in zip(ids_arrays, entries)]

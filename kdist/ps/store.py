@@ -24,11 +24,11 @@ import dataclasses
 import threading
 
 import numpy as np
-import torch
 
 from kdist.errors import InvalidArgumentError
 from kdist.ps import dtypes
 from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
+from kdist.ps.row_updates import check_row_ids
 from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list
 from kdist.ps.update_ids import MAX_REMEMBERED_UPDATES, AppliedUpdateIds
 from kdist.ps.values import ServerStats, StalenessStats, VariableStats
@@ -293,11 +293,7 @@ class VariableStore:
         for spec, entry in plan.gradients:
             if spec.rows:
                 ids, rows = next(arrays), next(arrays)
-                if ids.size and (ids.min() < 0 or ids.max() >= entry.shape[0]):
-                    raise InvalidArgumentError(
-                        f"{entry.describe('the row gradient of')}: row ids must be in "
-                        f"[0, {entry.shape[0]}). Received: ids from {ids.min()} to {ids.max()}."
-                    )
+                check_row_ids(entry, ids, "the row gradient of")
                 dense.append((spec, entry, (ids, rows)))
             else:
                 dense.append((spec, entry, next(arrays)))
@@ -315,10 +311,7 @@ class VariableStore:
                     entry.rejected_updates += 1
                     rejected.append(spec.name)
                 else:
-                    entry.before_update()
-                    entry.optimizer.apply(_dense_gradient(entry, gradient))
-                    entry.version += 1
-                    entry.applied_updates += 1
+                    entry.apply_gradient(gradient, spec.rows)
                     applied += 1
                 versions[spec.name] = entry.version
         for entry in plan.assignments:
@@ -332,8 +325,6 @@ class VariableStore:
             self._applied_pushes += bool(applied and count_push)
         return versions, tuple(rejected), staleness
 
-    # Their names before the stages of a push were named; some tests still use them.
-
     # -- Counters -----------------------------------------------------------------
 
     def count_request(self, method):
@@ -344,6 +335,23 @@ class VariableStore:
         with self._lock:
             self._bytes_received += received
             self._bytes_sent += sent
+
+    def update_counts(self):
+        """Returns `{name: {"sparse_applies", "dense_applies", "rows_updated"}}` per trainable variable.
+
+        `sparse_applies` counts row gradients applied to their touched rows
+        only, `dense_applies` gradients applied as Keras' dense update (see
+        `kdist.ps.row_updates`), `rows_updated` the distinct rows of the row
+        gradients applied.
+        """
+        counts = {}
+        for entry in self.all_entries():
+            with entry.lock:
+                if entry.trainable:
+                    counts[entry.name] = {"sparse_applies": entry.sparse_applies,
+                                          "dense_applies": entry.dense_applies,
+                                          "rows_updated": entry.rows_updated}
+        return counts
 
     def stats(self):
         """Returns a `ServerStats` snapshot."""
@@ -386,12 +394,3 @@ def _check_finite(entry, values):
             "with ServiceOptions(allow_non_finite_gradients=True) to apply them."
         )
 
-
-def _dense_gradient(entry, gradient):
-    if not isinstance(gradient, tuple):
-        return dtypes.to_torch(gradient)
-    ids, rows = gradient
-    # index_add sums repeated ids, as the dense gradient of ops.take does.
-    dense = torch.zeros(entry.shape, dtype=entry.variable.value.dtype)
-    dense.index_add_(0, torch.from_numpy(ids), dtypes.to_torch(rows))
-    return dense

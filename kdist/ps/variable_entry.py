@@ -42,6 +42,9 @@ class VariableEntry:
         self.version = version
         self.applied_updates = 0
         self.rejected_updates = 0
+        self.sparse_applies = 0  # row gradients applied to the touched rows only
+        self.dense_applies = 0  # gradients applied as Keras' dense update
+        self.rows_updated = 0  # distinct rows of all row gradients applied
         self.optimizer = None  # VariableOptimizer once configured
         self.lock = threading.Lock()
         self.array = dtypes.to_numpy(variable.value)  # a view of the variable, not a copy
@@ -66,6 +69,26 @@ class VariableEntry:
         """Under `lock`, before changing the value in place: moves it off shared memory."""
         if self._storage.readers:
             self._adopt(self.variable.value.data.clone())
+
+    def apply_gradient(self, gradient, rows):
+        """Under `lock`: applies `gradient` through the optimizer, bumps the version, counts it.
+
+        Args:
+            gradient: a NumPy array shaped like the variable, or with `rows`
+                a row gradient `(ids, rows)` (ids checked in range).
+            rows: whether `gradient` is a row gradient.
+        """
+        self.before_update()
+        if rows:
+            sparse, num_rows = self.optimizer.apply_rows(*gradient)
+            self.rows_updated += num_rows
+        else:
+            sparse = False
+            self.optimizer.apply(dtypes.to_torch(gradient))
+        self.sparse_applies += sparse
+        self.dense_applies += not sparse
+        self.version += 1
+        self.applied_updates += 1
 
     def replace_value(self, array):
         """Under `lock`: makes the (fresh, C-contiguous) `array` the variable's memory."""
