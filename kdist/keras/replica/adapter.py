@@ -108,8 +108,9 @@ class BatchNormShardGuard:
     A `torch.nn` BatchNorm module inside a `TorchModuleWrapper` normalises each
     replica's shard with that shard's own statistics; on a shard of one sample
     torch raises ("Expected more than 1 value per channel") in the middle of
-    the step, after earlier replicas already moved the module's running
-    statistics. Plain Keras on the whole batch trains. So kdist checks the
+    the step, after earlier replicas already ran (their updates of the
+    module's buffers live in per-replica copies, see `torch_buffers`, and are
+    dropped). Plain Keras on the whole batch trains. So kdist checks the
     split first and raises `InvalidArgumentError` with nothing changed.
 
     Which modules count: in a training step every such module (the wrapper

@@ -36,7 +36,7 @@ import torch
 
 from kdist import faults
 from kdist.errors import ReplicaSyncError
-from kdist.keras._compat.layers import torch_wrapped_modules
+from kdist.keras._compat.layers import in_stateless_scope, torch_wrapped_modules
 
 # The rule `state_sync.assign` hands back to a `TorchBuffer` plan entry.
 RULE = "torch_buffer"
@@ -200,7 +200,10 @@ def _install_hooks(root):
 
 
 def _active():
-    return getattr(_current, "replica", None)
+    # Replicas run inside their `StatelessScope`; a call outside one (the user's
+    # own `model(x, training=True)` after a step that raised) is plain torch.
+    active = getattr(_current, "replica", None)
+    return active if active is not None and in_stateless_scope() else None
 
 
 def _pre_forward(module, args):

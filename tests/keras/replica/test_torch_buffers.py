@@ -110,6 +110,28 @@ def test_evaluate_and_predict_leave_the_buffers_alone():
     assert int(norm.num_batches_tracked) == int(before["num_batches_tracked"]) + 1
 
 
+def test_a_step_that_raises_mid_way_leaves_the_buffers_as_they_were():
+    """Replica 1 gets 1 sample (the adapter's guard bypassed): torch raises after replica 0 ran."""
+    import torch
+
+    with mirrored().scope():
+        model = scenarios.torch_model()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = scenarios.data(3)
+    model.predict(x, verbose=0)
+    model.make_train_function()
+    norm = model.get_layer("wrapped").module[1]
+    before = {name: buffer.clone() for name, buffer in norm.named_buffers()}
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        model._kdist_engine.train_function([(torch.from_numpy(x), torch.from_numpy(y))])
+    for name, buffer in norm.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    # The failed step's replica copies do not leak into a plain call afterwards.
+    model(x[:2], training=True)
+    assert int(norm.num_batches_tracked) == 1
+    assert not torch.equal(norm.running_mean, before["running_mean"])
+
+
 def test_models_without_torch_modules_have_no_buffers_to_reconcile():
     model = scenarios.keras_model()
     state = state_sync.StateVariables(model)
