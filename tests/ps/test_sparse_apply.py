@@ -5,14 +5,17 @@ import keras
 import numpy as np
 import pytest
 
+import kdist
 from kdist import faults
+from kdist.cluster import SimpleClusterResolver
 from kdist.errors import InvalidArgumentError
-from kdist.ps import RowGradient, Security, VariableInit, codec
+from kdist.ps import RowGradient, Security, VariableInit, codec, create_server
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.dtypes import to_numpy as from_torch
 from kdist.ps.methods import METHODS
 from kdist.ps.row_updates import check_sparse_updates
 from kdist.ps.store import GradientSpec, VariableStore
+from tests import harness
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -351,3 +354,41 @@ def test_bad_lookup_ids_name_the_id_and_rows(client, server, options, ids, shown
         list(METHODS["Lookup"].callable(channel)(iter(frames), timeout=30))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert shown in refused.value.details() and "V=50" in refused.value.details()
+
+
+# ----- the strategy's argument reaches the servers ----------------------------------
+
+def _train_on_servers(sparse_updates):
+    server = create_server("127.0.0.1:0")
+    try:
+        [port] = harness.free_ports(1)
+        resolver = SimpleClusterResolver(
+            {"worker": [f"127.0.0.1:{port}"], "ps": [server.address]}, task_type="worker", task_id=0)
+        strategy = kdist.ParameterServerStrategy(resolver, sparse_updates=sparse_updates)
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((3,), dtype="int64"), keras.layers.Embedding(500, 4),
+                                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.Adam(0.01), "mse")
+        ids = np.random.default_rng(0).integers(0, 500, (8, 3))
+        model.train_on_batch(ids, np.ones((8, 1), "float32"))
+        model.train_on_batch(ids, np.ones((8, 1), "float32"))
+        counts = server.store.update_counts()
+        [table] = [name for name, entry in counts.items() if entry["rows_updated"]]
+        return counts[table]
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("sparse_updates, sparse", [("exact", False), ("lazy", True)])
+def test_strategy_sparse_updates_reaches_the_servers(sparse_updates, sparse):
+    counts = _train_on_servers(sparse_updates)
+    assert counts["sparse_applies" if sparse else "dense_applies"] == 2
+    assert counts["dense_applies" if sparse else "sparse_applies"] == 0
+
+
+def test_strategy_refuses_an_unknown_sparse_updates():
+    resolver = SimpleClusterResolver({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
+                                     task_type="worker", task_id=0)
+    with pytest.raises(InvalidArgumentError, match=r"sparse_updates='lazzy'"):
+        kdist.ParameterServerStrategy(resolver, sparse_updates="lazzy")

@@ -52,6 +52,7 @@ import numpy as np
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Assignment, DenseGradient, RowGradient, VariableInit, dtypes
+from kdist.ps.row_updates import CONFIG_KEY as SPARSE_UPDATES_KEY
 from kdist.ps.values import check_update_id
 
 __all__ = ["Route", "RouteReader", "VariableRouter"]
@@ -311,8 +312,14 @@ class VariableRouter:
         self.send_gradients((), (), assign=entries)
         self.pull(entries, include_row_sparse=True)
 
+    # How servers apply row gradients (`kdist.ps.row_updates`); the strategy's
+    # `sparse_updates` argument sets it. "exact" sends the config unchanged.
+    sparse_updates = "exact"
+
     def configure_optimizer(self, config, entries):
         """Tells each server which optimizer applies the pushes to `entries`' shards."""
+        if self.sparse_updates != "exact":
+            config = {**config, SPARSE_UPDATES_KEY: self.sparse_updates}
         self._per_server(keys_by_server(entries), lambda client, names: client.configure_optimizer(config, names))
 
     def optimizer_state(self, entries):

@@ -28,6 +28,7 @@ from kdist.distribute.parameter_server.sharded_variable import RemoteVariable, S
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Security
+from kdist.ps.row_updates import check_sparse_updates
 
 PS_JOB = "ps"
 WORKER_JOB = "worker"
@@ -44,7 +45,9 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         security: the `kdist.ps.Security` presented to parameter servers and workers.
     """
 
-    def __init__(self, container_strategy, cluster_resolver, variable_partitioner, devices, options, security):
+    def __init__(self, container_strategy, cluster_resolver, variable_partitioner, devices, options, security,
+                 sparse_updates="exact"):
+        check_sparse_updates(sparse_updates)
         resolver = resolve_cluster(cluster_resolver)
         spec = resolver.cluster_spec()
         if not spec or PS_JOB not in spec.jobs or spec.num_tasks(PS_JOB) == 0:
@@ -79,6 +82,8 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         self._partitioner = variable_partitioner
         self._placer = RoundRobinPlacer(len(addresses))
         self.variable_router = VariableRouter(addresses, options=options, security=security)
+        self.variable_router.sparse_updates = sparse_updates
+        self.sparse_updates = sparse_updates
         self.options = options
         self.security = Security() if security is None else security
         self.devices_argument = devices
@@ -236,10 +241,20 @@ class ParameterServerStrategy(Strategy):
         security: `kdist.ps.Security` (the cluster secret, TLS), matching the
             servers'; None: the secret from the environment (`kdist launch` sets it),
             else this process's own.
+        sparse_updates: how the servers apply the row gradients of embedding
+            tables. "exact" (default): the same numbers as one device; SGD
+            without momentum and Adagrad update only the touched rows, other
+            optimizers run Keras' dense update over the whole shard. "lazy":
+            SGD with momentum, Adam, AdamW and RMSprop also update only the
+            touched rows and their slots (TensorFlow Addons' `LazyAdam`
+            semantics: untouched rows' slots do not decay), which differs
+            from one device. See "Large embedding tables" in
+            `docs/parameter_server.md`.
 
     Raises:
         kdist.errors.InvalidArgumentError: the cluster has no `ps` job, this
-            process is a `ps` task, or an argument is malformed.
+            process is a `ps` task, or an argument is malformed (such as
+            `sparse_updates` not one of "exact", "lazy").
         kdist.errors.ParameterServerUnavailableError: a parameter server could
             not be reached within `options.connect_timeout_seconds` (raised by
             the first variable creation).
@@ -264,10 +279,12 @@ class ParameterServerStrategy(Strategy):
 
     SUPPORTED_BACKENDS = STRATEGY_BACKENDS["ParameterServerStrategy"]
 
-    def __init__(self, cluster_resolver=None, variable_partitioner=None, *, devices=None, options=None, security=None):
+    def __init__(self, cluster_resolver=None, variable_partitioner=None, *, devices=None, options=None, security=None,
+                 sparse_updates="exact"):
         require_backend("ParameterServerStrategy", self.SUPPORTED_BACKENDS)
         super().__init__(
-            ParameterServerExtended(self, cluster_resolver, variable_partitioner, devices, options, security)
+            ParameterServerExtended(self, cluster_resolver, variable_partitioner, devices, options, security,
+                                    sparse_updates)
         )
 
     @property
