@@ -192,7 +192,9 @@ def test_refusal_is_precise_plain_keras_one_replica_and_no_batchnorm_train_on_th
 
 
 def test_negative_control_without_the_check_torch_fails_mid_step_after_moving_statistics():
-    """What the check prevents: the engine alone runs replica 0, moves the running mean, then torch raises."""
+    """What the check prevents: the engine alone runs replica 0, then torch raises its own
+    error mid-step, naming neither the split nor the fix. (The replicas' buffer copies,
+    kdist/keras/replica/torch_buffers.py, keep the running mean where it was.)"""
     model = _batchnorm_model(m.mirrored(2))
     x, y = _batch(3)
     model.predict(x, verbose=0)
@@ -202,4 +204,4 @@ def test_negative_control_without_the_check_torch_fails_mid_step_after_moving_st
     engine = engine or model._kdist_engine
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         engine.train_function([(torch.from_numpy(x), torch.from_numpy(y))])
-    assert not torch.equal(running_mean, model.layers[0].module[1].running_mean)
+    assert torch.equal(running_mean, model.layers[0].module[1].running_mean)
