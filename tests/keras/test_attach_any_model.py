@@ -205,3 +205,21 @@ def test_negative_control_without_the_check_torch_fails_mid_step_after_moving_st
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         engine.train_function([(torch.from_numpy(x), torch.from_numpy(y))])
     assert torch.equal(running_mean, model.layers[0].module[1].running_mean)
+
+
+def test_input_split_per_rank_is_checked_over_this_ranks_replicas(monkeypatch):
+    """A rank's own batch (input split per rank) is split over its local replicas, not all of them."""
+    import types
+
+    from kdist.keras.replica import adapter, per_rank_input
+
+    engine = types.SimpleNamespace(num_replicas=2, strategy=types.SimpleNamespace(num_replicas_in_sync=4))
+    guard = adapter.BatchNormShardGuard(engine, "train")
+    guard.modules = [("module.1", torch.nn.BatchNorm1d(3))]
+    four, three = (np.zeros((4, 3), "float32"),), (np.zeros((3, 3), "float32"),)
+    with pytest.raises(InvalidArgumentError, match=r"the global batch of 4 samples is split 1\+1\+1\+1"):
+        guard.check([four])
+    monkeypatch.setattr(per_rank_input, "uses_batch_whole", lambda: True)
+    guard.check([four])  # 2+2 over this rank's two replicas
+    with pytest.raises(InvalidArgumentError, match=r"this rank's batch .* of 3 samples is split 2\+1 over 2"):
+        guard.check([three])

@@ -140,20 +140,23 @@ class BatchNormShardGuard:
         """Raises `InvalidArgumentError` when a batch of `data` (a list of batches) splits to a 1-sample shard."""
         if not self.modules:
             return
-        replicas = self.engine.strategy.num_replicas_in_sync
+        # Input split per rank: this rank's batch is split over its own replicas only.
+        whole = per_rank_input.uses_batch_whole()
+        replicas = self.engine.num_replicas if whole else self.engine.strategy.num_replicas_in_sync
         for batch in data:
             total = batch_size_of(batch)
             sizes = split_sizes(total, replicas)
             if 1 in sizes:
-                raise InvalidArgumentError(self._message(total, sizes, replicas))
+                raise InvalidArgumentError(self._message(total, sizes, replicas, whole))
 
-    def _message(self, total, sizes, replicas):
+    def _message(self, total, sizes, replicas, per_rank=False):
         name, module = self.modules[0]
         split = "+".join(str(n) for n in sizes)
         more = f" (and {len(self.modules) - 1} more)" if len(self.modules) > 1 else ""
         where = "a training step" if self.kind == "train" else f"a {self.kind} step"
+        batch = "this rank's batch (input split per rank)" if per_rank else "the global batch"
         return (
-            f"batch_size: the global batch of {total} samples is split {split} over {replicas} "
+            f"batch_size: {batch} of {total} samples is split {split} over {replicas} "
             f"replicas in {where}, so a replica gets 1 sample, and the torch module '{name}' "
             f"({type(module).__name__} inside a TorchModuleWrapper){more} cannot normalise one "
             "sample: torch refuses batch statistics of one value per channel. Nothing was "
