@@ -52,6 +52,9 @@ class Route:
         versions: server version of each shard at the last read (-1: unknown).
         row_sparse: True when steps look rows up instead of reading the table.
         snapshot: a non-trainable variable's value at the last read, or None.
+        lookup_versions: for a row-read table, the oldest version of each
+            shard (by position) among the lookups since the last push.
+        layer_name: the layer that reads a row-read table (named in errors), or None.
     """
 
     variable: object
@@ -60,6 +63,8 @@ class Route:
     versions: list
     row_sparse: bool = False
     snapshot: object = None
+    lookup_versions: dict = dataclasses.field(default_factory=dict)
+    layer_name: str = None
 
     @property
     def trainable(self):

@@ -1,54 +1,248 @@
-"""`Embedding` layers whose table lives on parameter servers read only the rows a batch uses.
+"""Tables on parameter servers are read by rows: a step moves what its batch touches, in every mode.
 
-The layer's `call` is replaced on that instance: it looks the batch's distinct
-ids up on the shards that own them (one request per server), builds the
-output from those rows (which shard owns which row is
-`kdist.distribute.parameter_server.rows`' business, behind
-`VariableRouter.lookup`), and — during a training step — records the rows so
-their gradients, and nothing else of the table, are sent
-(`VariableRouter.send_gradients`). The layer's class
-is untouched, so a saved model loads in plain Keras.
+One mechanism serves `keras.layers.Embedding` and any layer that reads a
+table with `keras.ops.take(table, ids, axis=0)`, whether the model runs on
+its variables (one device), on the replica engine's per-replica mappings
+(several local devices: `keras.StatelessScope`), in a coordinator's
+closures or in a `schedule()`d custom loop: both read the table as the torch
+tensor `variable.value` returns (the replica's mapping in a stateless scope)
+and pass it to `torch.nn.functional.embedding` (2-D tables) or
+`torch.index_select(table, 0, ids)`. While a step runs, `row_lookups()`
+installs a `TorchFunctionMode` that recognises a table tensor there and
+answers from the servers instead (`VariableRouter.lookup`: the distinct
+ids, one request per server). The rows come back as a fresh leaf tensor;
+after backward its `.grad` holds the row gradients, and
+`attach_row_gradients` hands them to `optimizer.apply` as a sparse COO
+tensor shaped like the table, so the replica engine's weighted sum works on
+them unchanged (rows looked up by several replicas: union of ids, gradients
+summed) and the push carries only those rows (`VariableRouter.send_gradients`).
+
+Tables (`mark_tables`): `Embedding` tables and row-partitioned trainable
+variables of two or more dimensions. A table that a step uses any other way
+(a regularizer, a matmul) is read whole from the servers right then and is
+an ordinary variable from then on: exact, never stale.
+
+Bad ids are refused before the lookup, hence before anything is pushed:
+`kdist.errors.InvalidArgumentError` naming the layer, the id and V
+(`Embedding`: float, negative or out-of-range ids; `ops.take` on a table:
+ids out of range after Keras' wrap of negative ones).
 """
+
+import contextlib
+import threading
 
 import keras
 import torch
+from torch.overrides import TorchFunctionMode
 
+from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
 
+_local = threading.local()  # .records: [(entry, unique ids, rows leaf)] looked up in this thread
 
-def enable_row_lookups(model, session, current_step):
-    """Makes `Embedding` layers with a remote table read only the rows each batch uses."""
-    if len(session.strategy.extended.replica_devices) > 1:
-        return  # the replica engine runs layers statelessly; tables are read whole there
-    for layer in _compat.sublayers(model):
-        if not isinstance(layer, keras.layers.Embedding) or getattr(layer, "_kdist_row_lookup", False):
+# Tensor functions that read a table's metadata only, or write its .grad.
+_METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "__len__", "is_floating_point", "is_complex",
+                       "element_size", "stride", "is_contiguous", "data_ptr", "storage_offset", "get_device",
+                       "requires_grad_", "__repr__", "__format__", "__hash__", "zero_"})
+# Functions whose result is the same table (another device or a view of the same memory).
+_ALIASES = frozenset({"to", "detach", "contiguous", "cpu", "cuda"})
+
+
+def mark_tables(model, router):
+    """Makes the remote tables of `model` row-read: `Embedding` tables and row-partitioned trainable variables."""
+    for layer in [model, *_compat.sublayers(model)]:
+        is_embedding = isinstance(layer, keras.layers.Embedding)
+        if is_embedding and (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)):
             continue
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            continue
-        entry = session.router.entry(layer.embeddings)
-        if entry is None:
-            continue
+        for variable in [weight for weight in layer.weights if weight.trainable]:
+            entry = router.entry(variable)
+            if entry is None:
+                continue
+            if (is_embedding and variable is layer.embeddings) or _is_partitioned_table(entry):
+                entry.row_sparse = True
+                entry.layer_name = layer.name
+        if is_embedding and router.entry(layer.embeddings) is not None:
+            _check_embedding_inputs(layer)
+
+
+def mark_variable(variable, router):
+    """Makes one remote variable row-read when it is a row-partitioned trainable table."""
+    entry = router.entry(variable)
+    if entry is not None and _is_partitioned_table(entry):
         entry.row_sparse = True
-        _override_embedding_call(layer, entry, session.router, current_step)
 
 
-def _override_embedding_call(layer, entry, router, current_step):
+def _is_partitioned_table(entry):
+    return entry.trainable and entry.placement.is_partitioned and len(entry.placement.shape) >= 2
+
+
+def _check_embedding_inputs(layer):
+    # Keras casts float ids to int32 and wraps negative ones; a remote table refuses both.
+    if getattr(layer, "_kdist_checks_ids", False):
+        return
     original_call = layer.call
 
-    def call(inputs):
-        ids = inputs if isinstance(inputs, torch.Tensor) else None
-        if ids is None or ids.device.type == "meta":
-            return original_call(inputs)
-        flat = ids.reshape(-1).to(torch.int64)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        rows, versions = router.lookup(entry, unique)
-        rows = rows.to(entry.variable.value.device)
-        step = current_step()
-        if step is not None and torch.is_grad_enabled() and layer.trainable:
-            rows.requires_grad_(True)
-            step.record_rows(entry, unique, rows, versions)
-        outputs = rows[inverse].reshape(tuple(ids.shape) + tuple(rows.shape[1:]))
-        return keras.ops.cast(outputs, dtype=layer.compute_dtype)
+    def call(inputs, *args, **kwargs):
+        if isinstance(inputs, torch.Tensor) and inputs.device.type != "meta" and inputs.numel():
+            if inputs.is_floating_point() or inputs.is_complex():
+                bad = inputs.reshape(-1)[0].item()
+                raise InvalidArgumentError(
+                    f"Embedding layer {layer.name!r} received float ids (first: {bad!r}, dtype "
+                    f"{inputs.dtype}); its table of V={layer.input_dim} rows lives on parameter "
+                    "servers and is indexed by integers in [0, V). Cast the ids to int32/int64 yourself."
+                )
+            _check_range(inputs, layer.input_dim, f"Embedding layer {layer.name!r}")
+        return original_call(inputs, *args, **kwargs)
 
     object.__setattr__(layer, "call", call)
-    object.__setattr__(layer, "_kdist_row_lookup", True)
+    object.__setattr__(layer, "_kdist_checks_ids", True)
+
+
+def _check_range(ids, num_rows, who):
+    low, high = int(ids.min().item()), int(ids.max().item())
+    if low < 0 or high >= num_rows:
+        bad = low if low < 0 else high
+        raise InvalidArgumentError(
+            f"{who} received the id {bad}, outside its table of V={num_rows} rows (valid ids: "
+            f"0 to {num_rows - 1}). Nothing was sent to the parameter servers. Fix the input "
+            "pipeline, or map unknown ids to a reserved row."
+        )
+
+
+@contextlib.contextmanager
+def row_lookups(router, entries=None):
+    """While active (in this thread), lookups of row-read tables go to the servers (see module doc)."""
+    tables = [entry for entry in (router.all_entries() if entries is None else entries) if entry.row_sparse]
+    if not tables or getattr(_local, "active", False):  # none to read, or an outer block reads them
+        yield
+        return
+    if getattr(_local, "records", None) is None:
+        _local.records = []
+    _local.active = True
+    try:
+        with _LookupMode(router, tables):
+            yield
+    finally:
+        _local.active = False
+
+
+class _LookupMode(TorchFunctionMode):
+    def __init__(self, router, tables):
+        super().__init__()
+        self._router = router
+        self._tables = tables
+        self._aliases = {}  # id(tensor) -> (tensor, entry): a table moved or detached this step
+
+    def _table(self, value):
+        if not isinstance(value, torch.Tensor):
+            return None
+        alias = self._aliases.get(id(value))
+        if alias is not None and alias[0] is value:
+            return alias[1]
+        for entry in self._tables:
+            if entry.row_sparse and _current_tensor(entry.variable) is value:
+                return entry
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is torch.nn.functional.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            entry = self._table(weight)
+            if entry is not None:
+                indices = args[0] if args else kwargs["input"]
+                return self._lookup(entry, weight, indices)
+        elif func is torch.index_select or func is torch.Tensor.index_select:
+            entry = self._table(args[0])
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if entry is not None and dim == 0:
+                return self._lookup(entry, args[0], args[2] if len(args) > 2 else kwargs["index"])
+        if name not in _METADATA:
+            used = [entry for value in _flat(args, kwargs) if (entry := self._table(value)) is not None]
+            if used:
+                if name in _ALIASES:
+                    result = func(*args, **kwargs)
+                    self._aliases[id(result)] = (result, used[0])
+                    return result
+                for entry in used:  # read densely: whole, now, and as an ordinary variable from now on
+                    self._router.pull([entry], include_row_sparse=True)
+                    entry.row_sparse = False
+        return func(*args, **kwargs)
+
+    def _lookup(self, entry, weight, indices):
+        num_rows = entry.placement.shape[0]
+        flat = indices.reshape(-1).to(torch.int64)
+        if flat.numel():
+            _check_range(flat, num_rows, _who(entry))
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows, versions = self._router.lookup(entry, unique)
+        rows = rows.to(device=weight.device, dtype=weight.dtype)
+        if torch.is_grad_enabled() and entry.trainable:
+            rows.requires_grad_(True)
+            _local.records.append((entry, unique, rows))
+            known = entry.lookup_versions
+            for position, version in versions.items():
+                known[position] = min(version, known.get(position, version))
+        return rows[inverse].reshape(tuple(indices.shape) + tuple(rows.shape[1:]))
+
+
+def _current_tensor(variable):
+    # The replica's mapping in a stateless scope; else the stored tensor (no autocast copy).
+    return variable.value if _compat.in_stateless_scope() else _compat.torch_tensor_of(variable)
+
+
+def _flat(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def _who(entry):
+    layer = getattr(entry, "layer_name", None) or entry.variable.path.rsplit("/", 1)[0]
+    return f"Layer {layer!r} (reading table {entry.variable.path!r})"
+
+
+def attach_row_gradients(router, gradients, variables):
+    """`gradients` with the row gradients this thread's lookups produced, as sparse COO tensors.
+
+    Called at `optimizer.apply`, after backward: records whose rows got a
+    gradient are consumed; a table with no dense gradient gets the sparse one
+    (several lookups of one table: their ids concatenated, summed later by
+    `coalesce`), one that also has a dense gradient gets it added in.
+    """
+    records = getattr(_local, "records", None)
+    if not records:
+        return gradients
+    by_entry = {}
+    for entry, ids, rows in records:
+        if rows.grad is not None:
+            by_entry.setdefault(id(entry), []).append((ids, rows.grad))
+    records[:] = [record for record in records if record[2].grad is None]
+    if not by_entry:
+        return gradients
+    gradients = list(gradients)
+    for position, variable in enumerate(variables):
+        entry = router.entry(variable)
+        parts = by_entry.get(id(entry)) if entry is not None else None
+        if not parts:
+            continue
+        ids = torch.cat([ids for ids, _ in parts]).to(parts[0][1].device)
+        values = torch.cat([grad for _, grad in parts])
+        sparse = torch.sparse_coo_tensor(ids[None], values, size=tuple(entry.placement.shape), check_invariants=False)
+        dense = gradients[position]
+        gradients[position] = sparse if dense is None else dense + sparse.to_dense()
+    return gradients
+
+
+def forget_records():
+    """Drops this thread's lookups that no `apply` consumed (a step that raised, an evaluation)."""
+    _local.records = []
+
+
+def rows_of(gradient):
+    """A sparse row gradient as `(unique ids, summed rows)`."""
+    gradient = gradient.coalesce()
+    return gradient.indices()[0], gradient.values()

@@ -16,6 +16,10 @@ The chief sends what a scheduled function refers to as resources
   its state variables (an optimizer: how many steps it applied) for the chief
   to add up.
 
+Tables (`Embedding` tables, row-partitioned variables) are read by rows
+while a closure runs: its steps pull the rows their batches use and push
+only those rows' gradients (`kdist.keras.parameter_server.embeddings`).
+
 Every closure runs inside the worker strategy's scope after one pull of the
 latest values of the variables it references (those of the models, layers and
 variables in its pickle; one request per parameter server, none when it
@@ -36,6 +40,7 @@ from kdist.distribute.input import InputContext
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
+from kdist.keras.parameter_server import embeddings as ps_embeddings
 
 
 # ----- worker side --------------------------------------------------------------------
@@ -89,6 +94,8 @@ class KerasWorkerRuntime(WorkerRuntime):
             config["jit_compile"] = False
             with strategy.scope():
                 model.compile(**config)
+        # Its tables are read by rows in every closure (`kdist.keras.parameter_server.embeddings`).
+        ps_embeddings.mark_tables(model, strategy.extended.variable_router)
         return model
 
     def _build_sublayer(self, spec):
@@ -107,6 +114,7 @@ class KerasWorkerRuntime(WorkerRuntime):
                 trainable=spec["trainable"], name=spec["name"],
             )
         self._adopt(strategy, variable, spec["keys"], spec["placement"], spec["shape"], spec["dtype"])
+        ps_embeddings.mark_variable(variable, strategy.extended.variable_router)
         return variable
 
     def _build_optimizer(self, spec):
@@ -139,9 +147,12 @@ class KerasWorkerRuntime(WorkerRuntime):
             return function(*args, **kwargs)
         store = self.strategy.extended.variable_router
         with self.strategy.scope(), store.idempotent_updates(closure_id):
+            entries = store.entries(_variables_of(resources))
             if not getattr(function, "kdist_reads_variables_itself", False):
-                store.pull(store.entries(_variables_of(resources)))
-            return function(*args, **kwargs)
+                store.pull(entries)  # tables read by rows are looked up as the closure runs
+            ps_embeddings.forget_records()
+            with ps_embeddings.row_lookups(store, entries):
+                return function(*args, **kwargs)
 
     def metric_state(self, metric):
         if isinstance(metric, keras.optimizers.Optimizer):

@@ -11,8 +11,10 @@ What changes for a model attached to a parameter-server strategy:
   one push per server, together with non-trainable state the step changed
   (BatchNorm statistics). The servers apply the optimizer, rebuilt from its
   config, under a per-variable lock;
-- `Embedding` layers whose table lives on parameter servers read only the rows
-  a batch uses and push only those rows' gradients (one worker device);
+- tables on parameter servers (`Embedding` tables, row-partitioned variables
+  read with `ops.take`) are read by rows: a step pulls the rows its batch
+  uses and pushes only their gradients, on any number of local devices
+  (`kdist.keras.parameter_server.embeddings`);
 - `fit` ends, and `save`/`save_weights` start, by reading the servers' state
   (weights and optimizer slots) into the local model, so the file written is
   the parameter servers' current state and loads in plain Keras. Only the
@@ -62,13 +64,9 @@ class _Step:
     """The update one step function call produces, pushed when the call returns."""
 
     def __init__(self):
-        self.rows = {}
         self.dense = []
         self.row_updates = []
         self.pending = False
-
-    def record_rows(self, entry, ids, rows, versions):
-        self.rows.setdefault(id(entry), []).append((ids, rows, versions))
 
 
 class PSSession:
@@ -117,24 +115,18 @@ class PSSession:
             entry = self.router.entry(variable)
             if entry is None:
                 local.append((gradient, variable))
-            elif entry.row_sparse:
-                records = step.rows.pop(id(entry), []) if step is not None else []
-                if gradient is not None:
-                    raise UnsupportedError(
-                        "An embedding table that is read by row lookups was also used densely "
-                        f"(it received a full gradient). Received: variable {variable.path!r}. "
-                        "Tie weights through a separate layer, or use several worker devices, "
-                        "where tables are read whole."
-                    )
-                records = [(ids, rows, versions) for ids, rows, versions in records if rows.grad is not None]
-                if records:
-                    ids = torch.cat([ids for ids, _, _ in records])
-                    versions = {}
-                    for _, _, record_versions in records:
-                        for position, version in record_versions.items():
-                            versions[position] = min(version, versions.get(position, version))
-                    tensors.append(torch.cat([rows.grad for _, rows, _ in records]))
-                    targets.append((entry, ids, versions))
+            elif gradient is not None and gradient.is_sparse:
+                # Rows looked up by this step (by all its replicas): duplicate ids summed.
+                ids, values = ps_embeddings.rows_of(gradient)
+                versions, entry.lookup_versions = entry.lookup_versions, {}
+                tensors.append(values)
+                targets.append((entry, ids, versions))
+            elif entry.row_sparse and gradient is not None:
+                raise UnsupportedError(
+                    "A table that is read by row lookups received a full gradient, read outside a "
+                    f"step that kdist runs. Received: variable {variable.path!r}. Read it inside "
+                    "fit/evaluate/predict or a scheduled closure, where its reads are tracked."
+                )
             elif gradient is not None:
                 tensors.append(gradient)
                 targets.append((entry, None, None))
@@ -236,11 +228,14 @@ def _wrap_optimizer(optimizer, session):
 
     def apply(grads, trainable_variables=None):
         # Replicas of one worker record (fit) or merge (strategy.run) first: one combined push.
-        if gradient_merge.route(optimizer, grads, trainable_variables):
-            return None
         session = optimizer._kdist_ps_session
         if trainable_variables is None:
             trainable_variables = _compat.optimizer_trainable_variables(optimizer)
+        trainable_variables = list(trainable_variables)
+        # Row gradients of the tables this replica looked up, before they are recorded or merged.
+        grads = ps_embeddings.attach_row_gradients(session.router, list(grads), trainable_variables)
+        if gradient_merge.route(optimizer, grads, trainable_variables):
+            return None
         step = _current_step()
         with torch.no_grad():
             dense, rows = session.update_from(optimizer, list(grads), list(trainable_variables), step)
@@ -254,7 +249,8 @@ def _wrap_optimizer(optimizer, session):
         # A custom training loop: push at once, then read the result back as a
         # local apply would have changed the variables.
         session.send_updates(dense, rows)
-        session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows], include_row_sparse=True)
+        # Tables read by rows stay on the servers: the next lookup reads the new rows.
+        session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows if not entry.row_sparse])
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
         slot = original_add(reference_variable, *args, **kwargs)
@@ -309,8 +305,10 @@ def _train_wrapper(function, session):
             session.router.pull(entries)
         step = _Step()
         _local.step = step
+        ps_embeddings.forget_records()
         try:
-            logs = function(data)
+            with ps_embeddings.row_lookups(session.router, entries):
+                logs = function(data)
         finally:
             _local.step = None
         session.send_updates(step.dense, step.row_updates, state_entries=entries)
@@ -323,7 +321,8 @@ def _read_wrapper(function, session):
     def read_function(data):
         # Other workers keep training while this one evaluates: read what changed.
         session.pull()
-        return function(data)
+        with ps_embeddings.row_lookups(session.router, session.entries()):
+            return function(data)
 
     return read_function
 
@@ -339,7 +338,7 @@ def local_call(method, model, name, args, kwargs):
     strategy = session.strategy
     if name in ("fit", "train_on_batch"):
         session.check_supported()
-        ps_embeddings.enable_row_lookups(model, session, _current_step)
+        ps_embeddings.mark_tables(model, session.router)
         try:
             return method(model, *args, **kwargs)
         finally:
@@ -367,5 +366,5 @@ def local_call(method, model, name, args, kwargs):
         session.router.assign(session.entries())
         return result
     if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
-        ps_embeddings.enable_row_lookups(model, session, _current_step)
+        ps_embeddings.mark_tables(model, session.router)
     return method(model, *args, **kwargs)
