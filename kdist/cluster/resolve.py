@@ -5,7 +5,7 @@ import os
 from kdist.cluster.address import MAX_PORT
 from kdist.cluster.kubeflow import KubeflowTrainerClusterResolver
 from kdist.cluster.resolvers import ClusterResolver, SimpleClusterResolver
-from kdist.cluster.slurm import DEFAULT_PORT_BASE, SlurmClusterResolver
+from kdist.cluster.slurm import SlurmClusterResolver, step_port_base
 from kdist.cluster.spec import ClusterSpec
 from kdist.cluster.tf_config import TF_CONFIG, TFConfigClusterResolver
 from kdist.cluster.torchrun import TorchrunClusterResolver, read_integer
@@ -64,7 +64,8 @@ def resolve_cluster(cluster_resolver=None, environ=None):
        `SlurmClusterResolver` with every task a `"worker"`: rank =
        `SLURM_PROCID`, world size = the step's task count, rendezvous at the
        first node of `SLURM_STEP_NODELIST`, port `MASTER_PORT` if set, else
-       8888 (TensorFlow's `port_base`).
+       one derived from `SLURM_JOB_ID` and `SLURM_STEP_ID`
+       (`kdist.cluster.slurm.step_port_base`), so jobs sharing a node differ.
     4. any of Kubeflow Trainer v2's `PET_NNODES`, `PET_NPROC_PER_NODE`,
        `PET_NODE_RANK`, `PET_MASTER_ADDR`, `PET_MASTER_PORT` set gives a
        `KubeflowTrainerClusterResolver` (one process per node: rank =
@@ -117,15 +118,21 @@ def slurm_step_resolver(environ=None):
     """Returns the `SlurmClusterResolver` that `resolve_cluster()` picks inside `srun`.
 
     Every task is a `"worker"`; tasks listen from port `MASTER_PORT` (if set)
-    or 8888 (`DEFAULT_PORT_BASE`, TensorFlow's) upwards on each node, so the
-    rendezvous is the first node of `SLURM_STEP_NODELIST` at that port.
+    upwards on each node, else from `step_port_base(environ)`:
+    `15000 + 8 * ((SLURM_JOB_ID * 8 + SLURM_STEP_ID) % 2000)`, which every
+    task of the step computes alike and which differs between jobs sharing a
+    node (TensorFlow's fixed 8888 would collide there). The rendezvous is the
+    first node of `SLURM_STEP_NODELIST` at that port.
 
     Raises:
-        kdist.errors.ClusterEnvironmentError: `MASTER_PORT` is not a port, or
-            a `SLURM_*` variable is missing, malformed or inconsistent.
+        kdist.errors.ClusterEnvironmentError: `MASTER_PORT` is not a port;
+            without it, `SLURM_JOB_ID` or `SLURM_STEP_ID` is not a
+            non-negative integer; or another `SLURM_*` variable is missing,
+            malformed or inconsistent.
     """
     environ = os.environ if environ is None else environ
-    port_base = DEFAULT_PORT_BASE
     if "MASTER_PORT" in environ:
         port_base = read_integer(environ, "MASTER_PORT", 1, MAX_PORT, f"a port in 1..{MAX_PORT}", "Slurm")
+    else:
+        port_base = step_port_base(environ)
     return SlurmClusterResolver(port_base=port_base, environ=environ)

@@ -6,12 +6,15 @@ import pytest
 
 from kdist.cluster import ClusterSpec, Rendezvous, SlurmClusterResolver, resolve_cluster
 from kdist.cluster.resolve import slurm_step_resolver
+from kdist.cluster.slurm import step_port_base
 from kdist.errors import ClusterEnvironmentError, InvalidArgumentError
 from tests import harness
 from tests.cluster import _launcher_env
 
 # Two nodes, two tasks each, as `srun -N2 --ntasks-per-node=2` sets it for task 2.
 STEP = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
     "SLURM_PROCID": "2",
     "SLURM_NTASKS": "4",
     "SLURM_STEP_NUM_TASKS": "4",
@@ -217,14 +220,48 @@ def test_reads_the_environment_once(monkeypatch):
     assert resolver.task_id == 1
 
 
-def test_automatic_port_is_master_port_else_8888():
-    assert slurm_step_resolver(step(3)).rendezvous().master_port == 8888
+def test_automatic_port_is_master_port_else_derived_from_the_job_and_step():
+    # 15000 + 8 * ((4242 * 8 + 0) % 2000): every task of the step computes the same port.
+    assert {slurm_step_resolver(step(procid)).rendezvous().master_port for procid in LAYOUT} == {30488}
     resolver = resolve_cluster(environ=step(3, MASTER_PORT="29511"))
     assert isinstance(resolver, SlurmClusterResolver)
     assert resolver.rendezvous() == Rendezvous(3, 4, 1, 2, "node01", 29511)
     with pytest.raises(ClusterEnvironmentError) as raised:
         resolve_cluster(environ=step(3, MASTER_PORT="70000"))
     assert (raised.value.variable, raised.value.value) == ("MASTER_PORT", "70000")
+    # The derived base is the first task's port on each node; the next task takes the next one.
+    assert slurm_step_resolver(step(3)).cluster_spec().as_dict() == {
+        "worker": ["node01:30488", "node01:30489", "node02:30488", "node02:30489"]
+    }
+
+
+def test_two_jobs_sharing_a_node_get_different_ports():
+    ports = {job: step_port_base({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"}) for job in range(1000, 1250)}
+    # 250 consecutive jobs: 250 blocks of 8 ports that do not overlap, none on TensorFlow's 8888.
+    assert len(set(ports.values())) == 250
+    assert all(15000 <= port <= 30992 and (port - 15000) % 8 == 0 for port in ports.values())
+    # Two steps of one job differ too; the rule wraps after 250 jobs (documented).
+    assert step_port_base({"SLURM_JOB_ID": "1000", "SLURM_STEP_ID": "1"}) == ports[1000] + 8
+    assert step_port_base({"SLURM_JOB_ID": "1250", "SLURM_STEP_ID": "0"}) == ports[1000]
+    # Slurm's special step ids (batch 4294967294, extern 4294967295) stay in range.
+    assert 15000 <= step_port_base({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "4294967295"}) <= 30992
+
+
+@pytest.mark.parametrize(
+    "changes, variable, value",
+    [
+        ({"SLURM_JOB_ID": None}, "SLURM_JOB_ID", None),
+        ({"SLURM_JOB_ID": "12_3"}, "SLURM_JOB_ID", "12_3"),  # an array task's "<job>_<index>" is SLURM_ARRAY_*'s
+        ({"SLURM_STEP_ID": None}, "SLURM_STEP_ID", None),
+        ({"SLURM_STEP_ID": "-1"}, "SLURM_STEP_ID", "-1"),
+    ],
+)
+def test_malformed_job_or_step_id_without_master_port_names_the_rule(changes, variable, value):
+    with pytest.raises(ClusterEnvironmentError, match=r"SLURM_JOB_ID \* 8 \+ SLURM_STEP_ID.*Set MASTER_PORT") as raised:
+        resolve_cluster(environ=step(3, **changes))
+    assert (raised.value.variable, raised.value.value) == (variable, value)
+    # With MASTER_PORT the ids are not needed.
+    assert resolve_cluster(environ=step(3, MASTER_PORT="29511", **changes)).rendezvous().master_port == 29511
 
 
 def test_a_batch_script_shell_is_not_an_srun_step():
