@@ -5,7 +5,7 @@ kdist is torch first. `import kdist` settles the backend in this order:
 1. Keras already imported: its backend (kdist follows it, or raises
    `BackendError` when it cannot drive it). When that backend is not torch
    and `KERAS_BACKEND` is not set, Keras took it from `keras.json`, not from
-   the user: kdist warns once (`BackendChoiceWarning`), naming the backend its
+   the user: kdist warns once (`kdist.errors.BackendChoiceWarning`), naming the backend its
    strategies will use and the fix.
 2. `KERAS_BACKEND` set: that backend.
 3. Otherwise torch: kdist sets `KERAS_BACKEND=torch`, the one place it writes
@@ -26,7 +26,7 @@ import sys
 import threading
 import warnings
 
-from kdist.errors import BackendError
+from kdist.errors import BackendChoiceWarning, BackendError
 
 SUPPORTED_BACKENDS = ("torch", "tensorflow", "jax")
 DEFAULT_BACKEND = "torch"
@@ -38,10 +38,6 @@ STRATEGY_BACKENDS = {
     # The variable service, its optimizer hosts and the worker runtime are torch code.
     "ParameterServerStrategy": ("torch",),
 }
-
-
-class BackendChoiceWarning(UserWarning):
-    """Keras was imported before kdist with a backend that nobody chose explicitly."""
 
 
 # `select_backend` runs on `import kdist` and again on the first public name:

@@ -62,6 +62,15 @@ class BackendError(KdistError, RuntimeError):
     """Keras was imported with a backend kdist cannot drive."""
 
 
+class BackendChoiceWarning(UserWarning):
+    """Keras was imported before kdist with a backend nobody chose explicitly.
+
+    Given once per process when Keras took a backend other than torch from
+    `keras.json` (`KERAS_BACKEND` unset): kdist's strategies follow it. Import
+    kdist first, or set `KERAS_BACKEND`, to choose; setting it silences this.
+    """
+
+
 class CollectiveTimeoutError(KdistError, RuntimeError):
     """A cross-process collective did not complete: a rank died, stalled or disconnected.
 

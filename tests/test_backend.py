@@ -10,7 +10,7 @@ import types
 import pytest
 
 from kdist import _backend
-from kdist.errors import BackendError
+from kdist.errors import BackendChoiceWarning, BackendError
 
 TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
 
@@ -208,7 +208,7 @@ def test_the_warning_is_given_once_per_process(monkeypatch):
     monkeypatch.setitem(sys.modules, "keras", fake_keras)
     monkeypatch.delenv("KERAS_BACKEND", raising=False)
     monkeypatch.setattr(_backend, "_warned", False)
-    with pytest.warns(_backend.BackendChoiceWarning, match="'jax' backend") as caught:
+    with pytest.warns(BackendChoiceWarning, match="'jax' backend") as caught:
         assert _backend.select_backend() == "jax"
         assert _backend.select_backend() == "jax"
-    assert len([w for w in caught if issubclass(w.category, _backend.BackendChoiceWarning)]) == 1
+    assert len([w for w in caught if issubclass(w.category, BackendChoiceWarning)]) == 1
