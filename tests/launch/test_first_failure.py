@@ -4,6 +4,8 @@ The jobs are real: `cli.main(["launch", ...])` starts real processes (and, in
 the first test, a real torch.distributed gloo job), as tests/launch/test_cli.py does.
 """
 
+import pathlib
+import sys
 import tempfile
 import textwrap
 import time
@@ -34,20 +36,69 @@ with strategy.scope():
 model.fit(np.zeros((8, 4)), np.zeros((8, 1)), epochs=1, verbose=0)
 """
 
-# No torch: rank 1 fails at 0.5 s; rank 0 prints before and after that, then fails too.
+# No torch, no sleeps: a handshake through files the launcher's own echo creates
+# (`_Handshake`). Rank 1 fails once the launcher has echoed rank 0's "before";
+# rank 0 prints "after" and fails once the launcher has announced rank 1's exit.
 LATE_FAILURE_JOB = """
 import os
-import sys
 import time
 
+def wait_for(path):
+    # A file that the test's stream wrapper creates; bounded, so a lost event fails the job, never hangs it.
+    deadline = time.monotonic() + {deadline}
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{{path}} did not appear within {deadline} s")
+        time.sleep(0.02)
+
 if int(os.environ["RANK"]) == 1:
-    time.sleep(0.5)
+    wait_for({before_echoed!r})
     raise KeyError("the first failure")
 print("rank 0 before", flush=True)
-time.sleep(3)
+wait_for({failure_announced!r})
 print("rank 0 after", flush=True)
 raise RuntimeError("a consequent failure")
 """
+HANDSHAKE_SECONDS = 60
+
+
+class _Tee:
+    """Passes writes through to `stream`; creates `path` once `marker` was written (the launcher's echo)."""
+
+    def __init__(self, stream, marker, path):
+        self._stream, self._marker, self._path = stream, marker, path
+        self._written = ""
+
+    def write(self, text):
+        self._stream.write(text)
+        if not self._path.exists():
+            self._written += text
+            if self._marker in self._written:
+                self._stream.flush()
+                self._path.touch()
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _late_failure_script(tmp_path, monkeypatch):
+    """LATE_FAILURE_JOB, its handshake files created from what the launcher echoes."""
+    before_echoed, failure_announced = tmp_path / "before-echoed", tmp_path / "failure-announced"
+    # The launcher writes to the current sys.stdout/sys.stderr (pytest's capture) at each write.
+    monkeypatch.setattr(sys, "stdout", _Tee(sys.stdout, "[worker-0] rank 0 before\n", before_echoed))
+    monkeypatch.setattr(sys, "stderr", _Tee(sys.stderr, "[kdist] worker-1 (pid ", failure_announced))
+    source = LATE_FAILURE_JOB.format(
+        deadline=HANDSHAKE_SECONDS, before_echoed=str(before_echoed), failure_announced=str(failure_announced)
+    )
+    return _script(tmp_path, source)
+
+
+def _line_of(path, text):
+    return next(number for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1) if text in line)
 
 
 def _script(tmp_path, source):
@@ -94,10 +145,10 @@ def test_missing_import_on_one_rank_is_shown_first_and_the_collective_timeout_in
     assert "ModuleNotFoundError: No module named 'kdist_no_such_module'" in (logs / "worker-1.log").read_text()
 
 
-def test_after_the_first_failure_the_others_output_goes_only_to_their_logs(tmp_path, capsys):
+def test_after_the_first_failure_the_others_output_goes_only_to_their_logs(tmp_path, capsys, monkeypatch):
     logs = tmp_path / "logs"
-    code = cli.main(["launch", "--nproc", "2", "--grace", "20", "--log-dir", str(logs),
-                     _script(tmp_path, LATE_FAILURE_JOB)])
+    script = _late_failure_script(tmp_path, monkeypatch)
+    code = cli.main(["launch", "--nproc", "2", "--grace", "20", "--log-dir", str(logs), script])
     captured = capsys.readouterr()
 
     assert code == 1
@@ -110,7 +161,7 @@ def test_after_the_first_failure_the_others_output_goes_only_to_their_logs(tmp_p
     assert _summary(captured.err) == [
         "[kdist] worker-1 failed first: it exited with code 1; exit code 1",
         "[kdist] | Traceback (most recent call last):",
-        f'[kdist] |   File "{tmp_path / "job.py"}", line 8, in <module>',
+        f'[kdist] |   File "{script}", line {_line_of(script, "raise KeyError")}, in <module>',
         "[kdist] |     raise KeyError(\"the first failure\")",
         "[kdist] | KeyError: 'the first failure'",
         f"[kdist] worker-1's full output: {logs / 'worker-1.log'}",
@@ -132,7 +183,8 @@ def test_without_log_dir_the_logs_are_kept_only_when_the_job_fails(tmp_path, cap
     assert "[worker-1] fine" in ok.out and "failed first" not in ok.err
     assert not list(tmp_path.glob(f"{cli.LOG_DIR_PREFIX}*")), "a successful job's logs are removed"
 
-    assert cli.main(["launch", "--nproc", "2", "--grace", "20", _script(tmp_path, LATE_FAILURE_JOB)]) == 1
+    script = _late_failure_script(tmp_path, monkeypatch)
+    assert cli.main(["launch", "--nproc", "2", "--grace", "20", script]) == 1
     err = capsys.readouterr().err
     (log_dir,) = tmp_path.glob(f"{cli.LOG_DIR_PREFIX}*")
     assert f"; logs in {log_dir}" in err
