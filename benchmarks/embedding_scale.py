@@ -58,6 +58,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import select  # noqa: E402
 import signal  # noqa: E402
@@ -559,6 +560,9 @@ def run_block(rows, optimizer, args):
     available = _mem_available_bytes() * MEMORY_SHARE
     skipped = {c.name: (f"estimated {c.estimated_bytes() / 1e9:.1f} GB > {MEMORY_SHARE:.0%} of MemAvailable "
                         f"({available / 1e9:.1f} GB)") for c in configs if c.estimated_bytes() > available}
+    if importlib.util.find_spec("tensorflow") is None:
+        skipped.update({c.name: f"TensorFlow is not installed in {sys.executable}" for c in configs
+                        if isinstance(c, TfConfig)})
     runnable = [c for c in configs if c.name not in skipped]
     if sum(c.estimated_bytes() for c in runnable) <= available:
         results = run_group(runnable, args, interleaved=True)
