@@ -5,7 +5,7 @@ import os
 from kdist.cluster.address import MAX_PORT
 from kdist.cluster.kubeflow import KubeflowTrainerClusterResolver
 from kdist.cluster.resolvers import ClusterResolver, SimpleClusterResolver
-from kdist.cluster.slurm import SlurmClusterResolver, step_port_base
+from kdist.cluster.slurm import SlurmClusterResolver
 from kdist.cluster.spec import ClusterSpec
 from kdist.cluster.tf_config import TF_CONFIG, TFConfigClusterResolver
 from kdist.cluster.torchrun import TorchrunClusterResolver, read_integer
@@ -15,6 +15,19 @@ from kdist.types import TaskType
 # A process outside any cluster is worker 0 of a one-task cluster. Port 0
 # means "any free port": nobody else has to find rank 0's store.
 LOCAL_ADDRESS = "127.0.0.1:0"
+
+# `resolve_cluster()`'s port base inside `srun` when MASTER_PORT is unset: each
+# (job, step) gets its own block of STEP_PORT_BLOCK ports in
+# STEP_PORT_FIRST..STEP_PORT_FIRST + STEP_PORT_BLOCK * STEP_PORT_BLOCKS - 1
+# (15000..30999), so two jobs sharing a node do not both take TensorFlow's 8888.
+# Unprivileged, and below Linux's ephemeral range (32768 up), which clients use.
+# Blocks of 8 fit 8 tasks per node; 8 steps per job before the next job's blocks.
+STEP_PORT_FIRST = 15000
+STEP_PORT_BLOCK = 8
+STEP_PORT_BLOCKS = 2000
+STEP_PORT_RULE = (
+    f"{STEP_PORT_FIRST} + {STEP_PORT_BLOCK} * ((SLURM_JOB_ID * 8 + SLURM_STEP_ID) % {STEP_PORT_BLOCKS})"
+)
 
 
 def local_cluster_resolver():
@@ -65,7 +78,7 @@ def resolve_cluster(cluster_resolver=None, environ=None):
        `SLURM_PROCID`, world size = the step's task count, rendezvous at the
        first node of `SLURM_STEP_NODELIST`, port `MASTER_PORT` if set, else
        one derived from `SLURM_JOB_ID` and `SLURM_STEP_ID`
-       (`kdist.cluster.slurm.step_port_base`), so jobs sharing a node differ.
+       (`kdist.cluster.resolve.step_port_base`), so jobs sharing a node differ.
     4. any of Kubeflow Trainer v2's `PET_NNODES`, `PET_NPROC_PER_NODE`,
        `PET_NODE_RANK`, `PET_MASTER_ADDR`, `PET_MASTER_PORT` set gives a
        `KubeflowTrainerClusterResolver` (one process per node: rank =
@@ -136,3 +149,36 @@ def slurm_step_resolver(environ=None):
     else:
         port_base = step_port_base(environ)
     return SlurmClusterResolver(port_base=port_base, environ=environ)
+
+
+def step_port_base(environ):
+    """The port base that every task of this `srun` step derives alike when `MASTER_PORT` is unset.
+
+    `15000 + 8 * ((SLURM_JOB_ID * 8 + SLURM_STEP_ID) % 2000)`: one block of 8
+    ports per (job, step) in 15000..30999. Two jobs on one node get different
+    blocks unless their ids differ by a multiple of 250 (with the same step),
+    and a job's first 8 steps get blocks of their own.
+
+    Args:
+        environ: the mapping to read `SLURM_JOB_ID` and `SLURM_STEP_ID` from.
+
+    Returns:
+        The port of the first task on each node.
+
+    Raises:
+        kdist.errors.ClusterEnvironmentError: `SLURM_JOB_ID` or `SLURM_STEP_ID`
+            is unset or not a non-negative integer; the message names the rule
+            and `MASTER_PORT` as the way to choose the port instead.
+
+    Example:
+
+    >>> step_port_base({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
+    30488
+    """
+    expected = (
+        "a non-negative integer: without MASTER_PORT, kdist derives the rendezvous port from "
+        f"SLURM_JOB_ID and SLURM_STEP_ID as {STEP_PORT_RULE}. Set MASTER_PORT to choose the port yourself"
+    )
+    job_id = read_integer(environ, "SLURM_JOB_ID", 0, 2**64, expected, "Slurm")
+    step_id = read_integer(environ, "SLURM_STEP_ID", 0, 2**64, expected, "Slurm")
+    return STEP_PORT_FIRST + STEP_PORT_BLOCK * ((job_id * 8 + step_id) % STEP_PORT_BLOCKS)

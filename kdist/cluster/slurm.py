@@ -30,18 +30,6 @@ from kdist.validation import is_integer
 
 # TensorFlow's default: the first task on each node listens on 8888, the next on 8889, ...
 DEFAULT_PORT_BASE = 8888
-# `resolve_cluster()`'s port base inside `srun` when MASTER_PORT is unset: each
-# (job, step) gets its own block of STEP_PORT_BLOCK ports in
-# STEP_PORT_FIRST..STEP_PORT_FIRST + STEP_PORT_BLOCK * STEP_PORT_BLOCKS - 1
-# (15000..30999), so two jobs sharing a node do not both take TensorFlow's 8888.
-# Unprivileged, and below Linux's ephemeral range (32768 up), which clients use.
-# Blocks of 8 fit 8 tasks per node; 8 steps per job before the next job's blocks.
-STEP_PORT_FIRST = 15000
-STEP_PORT_BLOCK = 8
-STEP_PORT_BLOCKS = 2000
-STEP_PORT_RULE = (
-    f"{STEP_PORT_FIRST} + {STEP_PORT_BLOCK} * ((SLURM_JOB_ID * 8 + SLURM_STEP_ID) % {STEP_PORT_BLOCKS})"
-)
 _LAUNCHER = "Slurm"
 _MAX_TASKS = 2**31
 
@@ -51,39 +39,6 @@ def _environment_error(what, variable, value, expected):
     return ClusterEnvironmentError(
         f"{what} Received: {variable}={value!r}. {expected}", variable, value
     )
-
-
-def step_port_base(environ):
-    """The port base that every task of this `srun` step derives alike when `MASTER_PORT` is unset.
-
-    `15000 + 8 * ((SLURM_JOB_ID * 8 + SLURM_STEP_ID) % 2000)`: one block of 8
-    ports per (job, step) in 15000..30999. Two jobs on one node get different
-    blocks unless their ids differ by a multiple of 250 (with the same step),
-    and a job's first 8 steps get blocks of their own.
-
-    Args:
-        environ: the mapping to read `SLURM_JOB_ID` and `SLURM_STEP_ID` from.
-
-    Returns:
-        The port of the first task on each node.
-
-    Raises:
-        kdist.errors.ClusterEnvironmentError: `SLURM_JOB_ID` or `SLURM_STEP_ID`
-            is unset or not a non-negative integer; the message names the rule
-            and `MASTER_PORT` as the way to choose the port instead.
-
-    Example:
-
-    >>> step_port_base({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
-    30488
-    """
-    expected = (
-        "a non-negative integer: without MASTER_PORT, kdist derives the rendezvous port from "
-        f"SLURM_JOB_ID and SLURM_STEP_ID as {STEP_PORT_RULE}. Set MASTER_PORT to choose the port yourself"
-    )
-    job_id = read_integer(environ, "SLURM_JOB_ID", 0, 2**64, expected, _LAUNCHER)
-    step_id = read_integer(environ, "SLURM_STEP_ID", 0, 2**64, expected, _LAUNCHER)
-    return STEP_PORT_FIRST + STEP_PORT_BLOCK * ((job_id * 8 + step_id) % STEP_PORT_BLOCKS)
 
 
 def _num_tasks(environ):

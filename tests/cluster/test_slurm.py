@@ -6,7 +6,7 @@ import pytest
 
 from kdist.cluster import ClusterSpec, Rendezvous, SlurmClusterResolver, resolve_cluster
 from kdist.cluster.resolve import slurm_step_resolver
-from kdist.cluster.slurm import step_port_base
+from kdist.cluster.resolve import step_port_base
 from kdist.errors import ClusterEnvironmentError, InvalidArgumentError
 from tests import harness
 from tests.cluster import _launcher_env
