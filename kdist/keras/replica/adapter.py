@@ -15,11 +15,13 @@
 
 import warnings
 
+import torch
+
 from kdist import faults
 from kdist.distribute.batching import batch_size_of, split_sizes
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
-from kdist.keras import _compat, adapters
+from kdist.keras import _compat, adapters, tensorboard_redirect
 from kdist.keras._compat.layers import torch_batchnorm_modules
 from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker, per_rank_input
 from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
@@ -42,6 +44,7 @@ class ReplicaAdapter(adapters.KerasAdapter):
                 object.__setattr__(model, f"{kind}_function", None)
 
     def route_call(self, method, model, name, args, kwargs):
+        tensorboard_redirect.adopt_keras_callbacks(method, args, kwargs)  # Keras TensorBoards built earlier
         strategy = self.strategy
         collectives = strategy.extended.collectives
         if collectives is None:
@@ -137,24 +140,47 @@ class BatchNormShardGuard:
         self.modules = found
 
     def check(self, data):
-        """Raises `InvalidArgumentError` when a batch of `data` (a list of batches) splits to a 1-sample shard."""
+        """Raises `InvalidArgumentError` when a batch of `data` (a list of batches) splits to a 1-sample shard.
+
+        With input split per rank in a multi-worker job, each rank checks its
+        own batch, and one small all-reduce makes every rank raise when any
+        rank's batch splits badly (a rank raising alone would leave the others
+        waiting in the step's collectives until they time out).
+        """
         if not self.modules:
             return
         # Input split per rank: this rank's batch is split over its own replicas only.
         whole = per_rank_input.uses_batch_whole()
         replicas = self.engine.num_replicas if whole else self.engine.strategy.num_replicas_in_sync
+        bad = None
         for batch in data:
-            total = batch_size_of(batch)
-            sizes = split_sizes(total, replicas)
-            if 1 in sizes:
-                raise InvalidArgumentError(self._message(total, sizes, replicas, whole))
+            total = per_rank_input.rank_batch_size(batch) if whole else batch_size_of(batch)
+            if 1 in split_sizes(total, replicas):
+                bad = total
+                break
+        if whole and getattr(self.engine, "processes", None) is not None:
+            self._agree(bad, replicas)
+        elif bad is not None:
+            raise InvalidArgumentError(self._message(bad, replicas, whole))
 
-    def _message(self, total, sizes, replicas, per_rank=False):
+    def _agree(self, bad, replicas):
+        collectives = self.engine.strategy.extended.collectives
+        # Each rank's bad batch size + 1 (0: its batch splits well).
+        flags = torch.zeros(collectives.world_size, dtype=torch.int64)
+        flags[collectives.rank] = 0 if bad is None else bad + 1
+        (flags,) = collectives.all_reduce_sum([flags], name="batchnorm_split")
+        failing = [(rank, int(flag) - 1) for rank, flag in enumerate(flags.tolist()) if flag]
+        if failing:
+            rank, total = failing[0]
+            owner = "this rank's" if rank == collectives.rank else f"rank {rank}'s"
+            raise InvalidArgumentError(self._message(total, replicas, True, owner))
+
+    def _message(self, total, replicas, per_rank=False, owner="this rank's"):
         name, module = self.modules[0]
-        split = "+".join(str(n) for n in sizes)
+        split = "+".join(str(n) for n in split_sizes(total, replicas))
         more = f" (and {len(self.modules) - 1} more)" if len(self.modules) > 1 else ""
         where = "a training step" if self.kind == "train" else f"a {self.kind} step"
-        batch = "this rank's batch (input split per rank)" if per_rank else "the global batch"
+        batch = f"{owner} batch (input split per rank)" if per_rank else "the global batch"
         return (
             f"batch_size: {batch} of {total} samples is split {split} over {replicas} "
             f"replicas in {where}, so a replica gets 1 sample, and the torch module '{name}' "

@@ -6,7 +6,8 @@
   agree on the number of batches per epoch (the smallest), and for inputs
   other than arrays (generators, `PyDataset`, `DataLoader`) they agree before
   every step that each still has data: when one runs out, all stop the epoch.
-  Input already split per rank is used whole instead, and the first batch of
+  Input already split per rank is used whole instead, runs while any rank
+  has data (exhausted ranks contribute empty parts), and the first batch of
   every epoch is compared across ranks (`kdist.keras.replica.per_rank_input`).
 - Side effects: only the chief (rank 0) shows a progress bar and runs
   `CSVLogger` and `TensorBoard`. `model.save`/`save_weights` are collectives:
@@ -59,26 +60,41 @@ def synchronised_iterable(epoch_iterator, iterable):
     collectives = getattr(_active, "collectives", None)
     if collectives is None:
         return iterable
-    # Agree on the number of batches before the epoch starts (the smallest wins).
-    known = _compat.epoch_iterator_num_batches(epoch_iterator)
-    unknown_marker = torch.iinfo(torch.int64).max
-    (smallest,) = collectives.all_reduce_min(
-        [torch.tensor([known if known else unknown_marker], dtype=torch.int64)], name="num_batches"
-    )
-    smallest = int(smallest.item())
-    if smallest != unknown_marker and smallest != known:
-        _compat.set_epoch_iterator_num_batches(epoch_iterator, smallest)
     reading = per_rank_input.EpochInput(iterable, getattr(_active, "inputs", None), collectives)
+    # Agree on the number of batches before the epoch starts. Global batches:
+    # the shortest rank's. Input split per rank runs while any rank has a
+    # batch (exhausted ranks take part with empty parts), which needs every
+    # rank to read on until it runs out: lengths all unknown, or all equal.
+    known = _compat.epoch_iterator_num_batches(epoch_iterator)
+    world_size = collectives.world_size
+    local = torch.zeros(2 * world_size, dtype=torch.int64)
+    local[collectives.rank] = known if known else -1
+    local[world_size + collectives.rank] = int(reading.per_rank)
+    (reduced,) = collectives.all_reduce_sum([local], name="num_batches")
+    counts = [int(count) for count in reduced[:world_size].tolist()]
+    if all(reduced[world_size:].tolist()):
+        if len(set(counts)) > 1:
+            raise per_rank_input.uneven_lengths_error(reading, counts)
+    elif any(count >= 0 for count in counts):
+        smallest = min(count for count in counts if count >= 0)
+        if smallest != known:
+            _compat.set_epoch_iterator_num_batches(epoch_iterator, smallest)
     # Same arrays everywhere: lengths already agree.
     return _HasDataIterable(iterable, collectives, reading, agree_on_end=not _compat.is_array_adapter(epoch_iterator))
 
 
 class _HasDataIterable:
-    """Every `next` first agrees with the other ranks that each of them still has a batch.
+    """Every `next` first agrees with the other ranks which of them still have a batch.
 
     `reading` (a `per_rank_input.EpochInput`) admits each batch: it sets the
     batch's kind and compares the first batch of each epoch across ranks.
     With `agree_on_end=False` (arrays) the ranks' lengths are known to agree.
+    Global batches: when one rank runs out, every rank ends the epoch (they
+    read the same data, so all run out together unless their inputs differ).
+    Input split per rank: the epoch goes on while any rank has a batch; a rank
+    that ran out hands Keras a stand-in (its last batch's first sample) that
+    the engine runs with weight 0 (`per_rank_input.local_shards`), so the
+    steps are those of plain Keras on the ranks' batches concatenated.
     """
 
     def __init__(self, iterable, collectives, reading, agree_on_end=True):
@@ -97,20 +113,35 @@ class _HasDataIterable:
 
     def _batches(self, iterator):
         collectives = self._collectives
+        last = None
         while True:
             try:
                 batch = next(iterator)
-                has_data = True
+                has_data = 1
             except StopIteration:
-                batch, has_data = None, False
+                batch, has_data = None, 0
             if not self._agree_on_end:
                 if not has_data:
                     return
-            elif not collectives.all_true(has_data, name="has_data"):
-                # Another rank ran out: everyone ends the epoch here, and the
-                # batches only some ranks still had are dropped.
+                self._reading.admit(batch)
+                yield batch
+                continue
+            # [has a batch, -(has a batch), has had one this epoch]: one small all-reduce.
+            began = int(has_data or last is not None)
+            flags = torch.tensor([has_data, -has_data, began], dtype=torch.int64)
+            (flags,) = collectives.all_reduce_min([flags], name="has_data")
+            every, anyone, every_began = int(flags[0]), -int(flags[1]), int(flags[2])
+            if not anyone or (not every and not self._reading.per_rank):
+                # Global batches: another rank ran out, everyone ends the epoch here.
                 return
-            self._reading.admit(batch)
+            if not every and not every_began:
+                raise per_rank_input.no_batches_error(self._reading, bool(has_data))
+            stand_in = not has_data
+            if stand_in:
+                batch = per_rank_input.stand_in_batch(last)
+            else:
+                last = batch
+            self._reading.admit(batch, stand_in=stand_in)
             yield batch
 
     def __len__(self):

@@ -7,8 +7,10 @@ two kinds:
   engine keeps this rank's contiguous part of it (`process_sync.local_shards`);
 - a rank's batch (per rank): each rank reads its own batch and uses it whole
   as its part of the global batch, which is the ranks' batches concatenated in
-  rank order. Sizes may differ between ranks: one small all-reduce per step
-  tells every rank the others' sizes, and gradients are weighted by each
+  rank order. An epoch runs while any rank has a batch: a rank that ran out
+  takes part with an empty part (a stand-in sample of weight 0), as plain
+  Keras on the concatenation would. Sizes may differ between ranks: one small
+  all-reduce per step tells every rank the others' sizes, and gradients are weighted by each
   shard's share of the global divisor as for any uneven split
   (`gradient_combine`). This rank's replicas split its batch as usual.
 
@@ -21,9 +23,9 @@ runs the step in the same thread before it reads the next one.
 
 The check: at the first batch of every epoch (and of every `evaluate` and
 `predict`) the ranks compare one small all-reduce (minimum and maximum) of the
-input's kind and, for global batches, a fingerprint of the batch: its shapes
-and dtypes, and two float64 sums over a strided sample of at most
-`SAMPLE_SIZE` values per array. A difference raises `InputMismatchError`:
+input's kind and, for global batches, a fingerprint of the batch: digests of
+its shapes and dtypes and of all its contents (`input_fingerprint`). A
+difference raises `InputMismatchError`:
 input split per rank but not declared (a `.shard()` pipeline, rank-specific
 files) cannot train on 1/N of the data silently. Later batches are not
 fingerprinted, so steady-state steps cost nothing extra.
@@ -31,24 +33,17 @@ fingerprinted, so steady-state steps cost nothing extra.
 
 import dataclasses
 import threading
-import zlib
 
 import keras
-import numpy as np
 import torch
 from torch.utils import data as torch_data
 
 from kdist import faults
-from kdist.distribute import nest
 from kdist.distribute.batching import batch_size_of, slice_batch, split_sizes
 from kdist.distribute.input import DistributedDataset, DistributedDatasetFromFunction, PerRankInput
 from kdist.errors import InputMismatchError, InvalidArgumentError
+from kdist.keras.replica.input_fingerprint import fingerprint
 
-# Values per array the fingerprint reads: enough that two different batches
-# almost surely differ, few enough to cost nothing next to a step.
-SAMPLE_SIZE = 1024
-# Sampled values are clamped to this magnitude so the sums stay finite (no NaN to compare).
-_LARGEST = 1e30
 
 _local = threading.local()
 
@@ -172,8 +167,9 @@ def batch_kind():
     return getattr(_local, "per_rank", False)
 
 
-def set_batch_kind(per_rank):
+def set_batch_kind(per_rank, stand_in=False):
     _local.per_rank = per_rank
+    _local.stand_in = stand_in
 
 
 def uses_batch_whole():
@@ -181,29 +177,76 @@ def uses_batch_whole():
     return batch_kind() and not faults.ACTIVE.sliced_per_rank_input
 
 
+def rank_batch_size(batch):
+    """The samples this rank contributes with `batch`, a rank's batch (0 for a stand-in)."""
+    return 0 if getattr(_local, "stand_in", False) else batch_size_of(batch)
+
+
+def stand_in_batch(last):
+    """What a rank that ran out of per-rank input hands Keras while others still have data.
+
+    The first sample of its last batch: it runs through the step so that this
+    rank takes part in every collective, with weight 0 (`local_shards`).
+    """
+    return slice_batch(last, 0, 1)
+
+
+def no_batches_error(reading, has_data):
+    """The error every rank raises when some rank's per-rank input has no batch at all this epoch."""
+    return InputMismatchError(
+        f"Some rank's {reading.argument} (split per rank) has no batch at all in this epoch while "
+        f"other ranks have data. Received: this rank has data={has_data}. Expected: at least one "
+        "batch on every rank, so that it can take part in the steps of the ranks that still "
+        "have data. Fix: give every rank some of the data (split it into as many parts as ranks)."
+    )
+
+
+def uneven_lengths_error(reading, counts):
+    """The error every rank raises when per-rank inputs of known length hold different numbers of batches.
+
+    Keras fixes an epoch's steps from the input's length before it reads, so
+    a rank with fewer batches cannot be stepped on with empty parts.
+    """
+    shown = [count if count >= 0 else None for count in counts]
+    return InputMismatchError(
+        f"Ranks hold different numbers of batches of {reading.argument} (split per rank), "
+        "and Keras fixes each rank's steps per epoch from its input's length, so the ranks "
+        "cannot step together through every batch. Received: batches per rank "
+        f"{shown} in rank order (None: unknown length). Expected: the same number of batches "
+        "on every rank. Fix: give every rank the same number of batches (DistributedSampler "
+        "pads to equal lengths), or pass a generator (no length): kdist then steps while any "
+        "rank has data, ranks that ran out adding nothing to the global batch."
+    )
+
+
 def local_shards(engine, batch):
     """This rank's `(local replica id, shard, size)` list and the global batch size, for a rank's batch.
 
     One all-reduce tells every rank every rank's batch size, so the global
     batch size (their sum) and the rows each rank contributes to predictions
-    are known everywhere.
+    are known everywhere. A rank that ran out of input (a stand-in batch)
+    contributes 0 samples: replica 0 runs the stand-in with weight 0.
 
     Raises:
-        kdist.errors.InvalidArgumentError: some rank's batch is empty.
+        kdist.errors.InvalidArgumentError: some rank's input yielded an empty batch.
     """
     collectives = engine.strategy.extended.collectives
-    size = batch_size_of(batch)
+    size = rank_batch_size(batch)
+    stand_in = getattr(_local, "stand_in", False)
     counts = torch.zeros(collectives.world_size, dtype=torch.int64)
-    counts[collectives.rank] = size
+    # -1 marks a batch the input itself yielded empty (a stand-in is not one).
+    counts[collectives.rank] = size if size or stand_in else -1
     (counts,) = collectives.all_reduce_sum([counts], name="rank_batch_sizes")
     sizes = [int(count) for count in counts.tolist()]
-    if 0 in sizes:
+    if -1 in sizes:
         raise InvalidArgumentError(
-            "Every rank's batch of per-rank input must hold at least one sample. Received: "
-            f"batch sizes {sizes} in rank order. Make every rank yield non-empty batches, "
-            "or end every rank's input at the same step."
+            "Every batch that per-rank input yields must hold at least one sample. Received: "
+            f"batch sizes {sizes} in rank order (-1: an empty batch). Make every rank yield "
+            "non-empty batches; a rank whose input ends early needs no empty batches."
         )
     _local.rows_per_rank = sizes
+    if not size:
+        return [(0, batch, 0)], sum(sizes)
     active, start = [], 0
     for replica_id, count in enumerate(split_sizes(size, engine.num_replicas)):
         if count:
@@ -236,26 +279,42 @@ class EpochStarts(keras.callbacks.Callback):
 class EpochInput:
     """One Keras epoch iterator's input in a multi-worker call: its kind and its first-batch check.
 
+    A `DistributedSampler` built for another number of ranks or another rank
+    is noted here and refused at the first batch's comparison, on every rank
+    at once: raising on the misconfigured ranks alone would leave the others
+    waiting in the next collective until it times out.
+
     Args:
         iterable: what Keras' epoch iterator reads.
         inputs: the call's `CallInputs` (None: nothing declared).
         collectives: the job's `ProcessCollectives`.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: a `DistributedSampler` built for
-            another number of ranks or another rank.
     """
 
     def __init__(self, iterable, inputs, collectives):
         self._collectives = collectives
         self._inputs = inputs or CallInputs()
-        self.per_rank = _is_per_rank(iterable, self._inputs, collectives)
+        self.per_rank, self._invalid = _is_per_rank(iterable, self._inputs, collectives)
         self._checked_epoch = None
         self._checked = False
 
-    def admit(self, batch):
-        """Called on every rank before each batch goes to Keras; checks the first of each epoch."""
-        set_batch_kind(self.per_rank)
+    @property
+    def argument(self):
+        """How error messages name this input (`"fit's x"`, `"validation_data"`)."""
+        return self._inputs.argument
+
+    def admit(self, batch, stand_in=False):
+        """Called on every rank before each batch goes to Keras; checks the first of each epoch.
+
+        `stand_in`: this rank ran out of its per-rank input; `batch` stands in
+        for an empty part (weight 0).
+
+        Raises:
+            kdist.errors.InvalidArgumentError: a `DistributedSampler` built for
+                another job, on this rank or another.
+            kdist.errors.InputMismatchError: ranks disagree on the input's kind,
+                or read different global batches.
+        """
+        set_batch_kind(self.per_rank, stand_in)
         epochs = self._inputs.epochs
         epoch = 0 if epochs is None else epochs.count
         if epochs is not None and not epoch:
@@ -268,18 +327,31 @@ class EpochInput:
         self._compare(batch)
 
     def _compare(self, batch):
-        values = [1.0, 0.0, 0.0, 0.0] if self.per_rank else [0.0, *fingerprint(batch)]
+        rank = self._collectives.rank
+        # [rank + 1 where this rank's input is invalid, kind, structure, contents]
+        invalid = float(rank + 1) if self._invalid else 0.0
+        values = [invalid, 1.0, 0.0, 0.0] if self.per_rank else [invalid, 0.0, *fingerprint(batch)]
         local = torch.tensor(values + [-v for v in values], dtype=torch.float64)
         (reduced,) = self._collectives.all_reduce_min([local], name="input_fingerprint")
         lowest, highest = reduced[: len(values)].cpu(), -reduced[len(values) :].cpu()
         argument = self._inputs.argument
-        if lowest[0] != highest[0]:
+        if highest[0]:
+            if self._invalid:
+                raise InvalidArgumentError(self._invalid)
+            raise InvalidArgumentError(
+                f"The DistributedSampler of {argument} on rank {int(highest[0]) - 1} is built for "
+                "another job (that rank's error names its num_replicas and rank); every rank stops "
+                f"here rather than wait for it. Received: a valid sampler on rank {rank}. Build the "
+                "sampler with DistributedSampler(dataset) after the strategy is created, or with the "
+                "job's global rank (strategy.extended.collectives.rank), not the local rank."
+            )
+        if lowest[1] != highest[1]:
             raise InputMismatchError(
                 f"Ranks disagree whether {argument} is split per rank: some read it as their own "
                 "part of the global batch (a DataLoader with a DistributedSampler, "
                 "kdist.distribute.per_rank, distribute_datasets_from_function), others as the "
                 f"whole global batch. Received: per rank={self.per_rank} on rank "
-                f"{self._collectives.rank}. Pass the same kind of input on every rank."
+                f"{rank}. Pass the same kind of input on every rank."
             )
         # The unshared_random_state control models a silent shuffle bug that
         # only the comparison with plain Keras may catch; do not report it here.
@@ -301,20 +373,22 @@ class EpochInput:
 
 
 def _is_per_rank(iterable, inputs, collectives):
+    """`(per rank, why the input is invalid or None)`."""
     if isinstance(iterable, PerRankBatchLoader):
-        return True
+        return True, None
     sampler = _distributed_sampler(iterable)
     if sampler is None:
-        return inputs.per_rank
-    if sampler.num_replicas != collectives.world_size or sampler.rank != collectives.rank:
-        raise InvalidArgumentError(
-            f"The DistributedSampler of {inputs.argument} is built for another job. Received: "
-            f"num_replicas={sampler.num_replicas}, rank={sampler.rank}. Expected: "
-            f"num_replicas={collectives.world_size}, rank={collectives.rank} (this process). "
-            "Build it with DistributedSampler(dataset) after the strategy is created, or with "
-            "num_replicas and rank from strategy.extended.collectives."
-        )
-    return True
+        return inputs.per_rank, None
+    if sampler.num_replicas == collectives.world_size and sampler.rank == collectives.rank:
+        return True, None
+    return True, (
+        f"The DistributedSampler of {inputs.argument} is built for another job. Received: "
+        f"num_replicas={sampler.num_replicas}, rank={sampler.rank}. Expected: "
+        f"num_replicas={collectives.world_size}, rank={collectives.rank} (this process). "
+        "Build it with DistributedSampler(dataset) after the strategy is created, or with "
+        "num_replicas and rank from strategy.extended.collectives (the global rank, not the "
+        "local rank on this node)."
+    )
 
 
 def _distributed_sampler(iterable):
@@ -325,39 +399,3 @@ def _distributed_sampler(iterable):
         if isinstance(candidate, torch_data.DistributedSampler):
             return candidate
     return None
-
-
-def fingerprint(batch):
-    """`[structure checksum, sum, position-weighted sum]` of a batch (floats; equal batches, equal lists).
-
-    The sums cover a strided sample of at most `SAMPLE_SIZE` values of every
-    numeric array, spread over all of it, in float64 on the host.
-    """
-    description, total, weighted = [], 0.0, 0.0
-    for leaf in nest.flatten(batch):
-        shape = getattr(leaf, "shape", None)
-        if shape is None:
-            description.append(type(leaf).__name__)
-            continue
-        description.append(f"{tuple(shape)}:{leaf.dtype}")
-        sample = _sample(leaf)
-        if sample is not None:
-            positions = torch.arange(1, sample.numel() + 1, dtype=torch.float64)
-            total += float(sample.sum())
-            weighted += float((sample * positions).sum())
-    return [float(zlib.crc32(";".join(description).encode())), total, weighted]
-
-
-def _sample(leaf):
-    if isinstance(leaf, torch.Tensor):
-        flat = leaf.detach().reshape(-1)
-    else:
-        array = np.asarray(leaf)
-        if array.dtype.kind not in "biuf":
-            return None
-        flat = torch.from_numpy(np.ascontiguousarray(array).reshape(-1))
-    if flat.is_complex() or not flat.numel():
-        return None
-    stride = max(1, flat.numel() // SAMPLE_SIZE)
-    sample = flat[::stride][:SAMPLE_SIZE].to(device="cpu", dtype=torch.float64)
-    return torch.nan_to_num(sample, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST).clamp(-_LARGEST, _LARGEST)

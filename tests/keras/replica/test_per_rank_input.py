@@ -2,11 +2,14 @@
 
 Each rank reads its own batches (`workers/per_rank_input.py`): a `DataLoader`
 with a `DistributedSampler`, `distribute_datasets_from_function`, or input
-declared with `kdist.distribute.per_rank` (uneven sizes per rank). Results
-must be identical on both ranks and equal plain Keras trained on the ranks'
-batches concatenated in rank order. Undeclared per-rank input must be refused
-at the first batch with `InputMismatchError`; the negative control slices
-per-rank input again, as before, and the comparison must then fail.
+declared with `kdist.distribute.per_rank` (uneven sizes and uneven numbers of
+batches per rank). Results must be identical on both ranks and equal plain
+Keras trained on the ranks' batches concatenated in rank order, with every
+batch of every rank used. Undeclared per-rank input must be refused at the
+first batch of the epoch where ranks differ with `InputMismatchError`, and a
+refusal decided on one rank must reach every rank (no collective timeout);
+the negative control slices per-rank input again, as before, and the
+comparison must then fail.
 """
 
 import re
@@ -73,6 +76,15 @@ def test_per_rank_input_matches_plain_keras_on_the_concatenation(equivalence_job
     assert ranks[0]["predict"].shape[0] == references[scenario]["predict"].shape[0]
 
 
+def test_the_reference_uses_every_batch_of_every_rank():
+    # Generators of 5 and 9 batches (evaluate) and 5 and 3 (predict): no rank's batches are dropped.
+    for part in ("evaluate", "predict"):
+        per_rank = [worker.rank_batches("declared", rank, part=part) for rank in range(worker.WORLD_SIZE)]
+        rows = sum(len(batch[0]) for batches in per_rank for batch in batches)
+        assert len({len(batches) for batches in per_rank}) == 2, "the ranks' batch counts must differ"
+        assert sum(len(batch[0]) for batch in worker.global_batches("declared", part=part)) == rows
+
+
 def test_slicing_per_rank_input_is_caught_by_the_comparison(tmp_path, references):
     # Negative control: each rank keeps only its slice of its own batch (the old
     # behaviour). Equal per-rank sizes only: sliced uneven batches cannot even
@@ -126,6 +138,79 @@ def test_a_distributed_sampler_built_for_another_job_is_refused(error_outputs):
         name, unchanged, message = _caught(output, "sampler_for_another_job")
         assert name == "InvalidArgumentError" and unchanged, (name, message)
         assert "num_replicas=3" in message and "Expected: num_replicas=2" in message
+
+
+def test_a_sampler_wrong_on_one_rank_only_is_refused_on_every_rank(error_outputs):
+    # DistributedSampler(ds, rank=local_rank) on 2 nodes: rank 1's sampler says rank 0.
+    messages = [_caught(output, "sampler_rank_on_one_rank") for output in error_outputs]
+    for name, unchanged, message in messages:
+        assert name == "InvalidArgumentError" and unchanged, (name, message)
+    assert "Received: a valid sampler on rank 0" in messages[0][2] and "on rank 1 is built" in messages[0][2]
+    assert "num_replicas=2, rank=0. Expected: num_replicas=2, rank=1" in messages[1][2]
+
+
+def test_per_rank_inputs_of_different_known_lengths_are_refused_before_the_first_step(error_outputs):
+    for output in error_outputs:
+        name, unchanged, message = _caught(output, "uneven_known_lengths")
+        assert name == "InputMismatchError" and unchanged, (name, message)
+        assert "Received: batches per rank [3, 4] in rank order" in message
+        assert "same number of batches" in message and "pass a generator" in message
+
+
+def test_input_that_differs_from_epoch_2_is_refused_at_epoch_2(error_outputs):
+    for output in error_outputs:
+        name, unchanged, message = _caught(output, "differs_from_epoch_2")
+        assert name == "InputMismatchError", (name, message)
+        assert message.startswith("trained_in_epoch_1=True "), message  # epoch 1 ran: the check is per epoch
+        assert unchanged, "epoch 2 trained before the refusal (weights differ from those after epoch 1)"
+        assert "Ranks read different batches" in message
+
+
+def test_torch_batchnorm_split_badly_on_one_rank_is_refused_on_every_rank(error_outputs):
+    # Rank batches of 1 and 4 (one replica each): rank 0's replica would get one sample.
+    messages = [_caught(output, "batchnorm_on_one_rank") for output in error_outputs]
+    for name, unchanged, message in messages:
+        assert name == "InvalidArgumentError" and unchanged, (name, message)  # not CollectiveTimeoutError
+    assert "this rank's batch (input split per rank) of 1 samples" in messages[0][2]
+    assert "rank 0's batch (input split per rank) of 1 samples" in messages[1][2]
+
+
+def _mnist_like(seed):
+    # 28x28 digits with a blank 4-pixel border, as MNIST's.
+    images = np.zeros((256, 28, 28), "float32")
+    images[:, 4:24, 4:24] = np.random.default_rng(seed).random((256, 20, 20), dtype=np.float32)
+    return images
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_fingerprint_tells_different_batches_apart_where_a_strided_sample_sees_only_the_border(kind):
+    import torch
+
+    from kdist.keras.replica.input_fingerprint import fingerprint
+
+    first, second = _mnist_like(0), _mnist_like(1)
+    # The old sample (every numel // 1024-th value) reads column 0 only: blank in both.
+    stride = first.size // 1024
+    assert not first.reshape(-1)[::stride].any() and not second.reshape(-1)[::stride].any()
+    convert = torch.from_numpy if kind == "torch" else np.asarray
+    assert fingerprint((convert(first),)) != fingerprint((convert(second),))
+    assert fingerprint((convert(first),)) == fingerprint((convert(first.copy()),))
+    assert fingerprint((convert(first), None)) != fingerprint((convert(first),))  # structure
+
+
+def test_fingerprint_reads_strings_and_every_leaf_exactly():
+    from kdist.keras.replica.input_fingerprint import fingerprint
+
+    words = np.array([b"cat", b"dog"], dtype=object)
+    assert fingerprint((words,)) != fingerprint((np.array([b"cat", b"cow"], dtype=object),))
+    assert fingerprint((words,)) == fingerprint((np.array([b"cat", b"dog"], dtype=object),))
+    assert fingerprint((np.array(["a", "b"]),)) != fingerprint((np.array(["a", "c"]),))
+    ints = np.arange(8, dtype="int64")
+    changed = ints.copy()
+    changed[5] += 1
+    assert fingerprint((ints,)) != fingerprint((changed,))
+    # Exact in float64 (what the ranks all-reduce): integers below 2**52.
+    assert all(value == int(value) and 0 <= value < 2**52 for value in fingerprint((ints, words)))
 
 
 def test_per_rank_refuses_arrays_and_global_datasets():

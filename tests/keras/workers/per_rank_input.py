@@ -21,8 +21,18 @@ the ranks' batches concatenated in rank order, `global_batches`):
   `InputContext` (rank r keeps `x[r::2]`: 51 and 50 samples, so the last
   global batch is 3 + 2);
 - `declared`: `kdist.distribute.per_rank` on a `PyDataset` whose ranks yield
-  batches of 5 and 11 with sample weights (6 and 8 batches: the ranks agree on
-  6), per-rank validation data, and per-rank generators for evaluate/predict.
+  batches of 5 and 8 with sample weights (8 batches each), per-rank
+  validation data, and per-rank generators (lengths unknown) with different
+  numbers of batches for evaluate (5 and 9: the last 4 steps hold rank 1's
+  batch alone) and predict (5 and 3).
+
+Error cases (`errors`): undeclared per-rank input (a `PyDataset`, a `tf.data`
+`.shard()`), a `DistributedSampler` for another job on every rank or (built
+with the local rank on a second node) on rank 1 only, per-rank input declared
+on one rank only, per-rank `PyDataset`s of 3 and 4 batches (known lengths
+that differ: refused before the first step), undeclared input that agrees in epoch 1 and differs from
+epoch 2 (`unchanged` then means: the weights after epoch 1), and torch
+BatchNorm given a 1-sample shard on rank 0 only.
 """
 
 import argparse
@@ -41,7 +51,10 @@ WORLD_SIZE = 2
 SAMPLER_BATCH = 8
 GLOBAL_BATCH = 16  # distribute_datasets_from_function: 8 per replica
 SCENARIOS = ("sampler", "sampler_shuffled", "from_function", "declared")
-ERROR_CASES = ("undeclared_pydataset", "tf_shard", "sampler_for_another_job", "declared_on_one_rank")
+ERROR_CASES = (
+    "undeclared_pydataset", "tf_shard", "sampler_for_another_job", "sampler_rank_on_one_rank",
+    "declared_on_one_rank", "uneven_known_lengths", "differs_from_epoch_2", "batchnorm_on_one_rank",
+)
 
 
 def make_data():
@@ -75,10 +88,10 @@ def _sampler_indices(rank, shuffle, epoch):
 
 # Contiguous regions of the data each rank reads in the `declared` scenario, and its batch size.
 DECLARED = {
-    "fit": [(0, 40, 5), (40, 101, 11)],
+    "fit": [(0, 40, 5), (40, 101, 8)],
     "validation": [(0, 21, 7), (21, 33, 4)],
-    "evaluate": [(50, 80, 6), (0, 45, 9)],
-    "predict": [(0, 12, 4), (12, 30, 6)],
+    "evaluate": [(50, 80, 6), (0, 45, 5)],
+    "predict": [(0, 20, 4), (12, 30, 6)],
 }
 
 
@@ -101,11 +114,14 @@ def rank_batches(scenario, rank, epoch=0, part="fit"):
 
 
 def global_batches(scenario, epoch=0, part="fit"):
-    """The reference's batches: the ranks' batches concatenated in rank order (the shortest rank wins)."""
+    """The reference's batches: the ranks' batches concatenated in rank order.
+
+    Steps run while any rank has a batch: a rank that ran out adds nothing.
+    """
     per_rank = [rank_batches(scenario, rank, epoch, part) for rank in range(WORLD_SIZE)]
-    steps = min(len(batches) for batches in per_rank)
+    steps = max(len(batches) for batches in per_rank)
     return [
-        tuple(np.concatenate(leaves) for leaves in zip(*(batches[step] for batches in per_rank)))
+        tuple(np.concatenate(leaves) for leaves in zip(*(b[step] for b in per_rank if step < len(b))))
         for step in range(steps)
     ]
 
@@ -217,8 +233,49 @@ def train_rank(scenario, strategy, rank):
     return collect(model, history.history, evaluation, predictions)
 
 
+class SameInEpoch1Only(keras.utils.PyDataset):
+    """Every rank reads the same batches in epoch 1; from epoch 2 on, its own rows (undeclared)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank, self.epoch = rank, 0
+        self._x, self._y, _ = make_data()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        start = (self.rank * 50 if self.epoch else 0) + index * SAMPLER_BATCH
+        return self._x[start : start + SAMPLER_BATCH], self._y[start : start + SAMPLER_BATCH]
+
+
+class EpochTracker(keras.callbacks.Callback):
+    """Tells the dataset the epoch, and keeps the weights after epoch 1."""
+
+    def __init__(self, dataset):
+        super().__init__()
+        self._dataset, self.after_epoch_1 = dataset, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._dataset.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.after_epoch_1 = [np.array(keras.ops.convert_to_numpy(w)) for w in self.model.weights]
+
+
+def _batchnorm_model():
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
+    model = keras.Sequential([keras.Input((6,)), keras.layers.TorchModuleWrapper(module), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
 def error_case(case, strategy, rank):
-    """Runs one case of undeclared (or misdeclared) per-rank input; returns the error it raised."""
+    """Runs one error case; returns `(error, weights unchanged, extra)` (extra: text for the test)."""
     import torch
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -226,26 +283,43 @@ def error_case(case, strategy, rank):
 
     x, y, _ = make_data()
     with strategy.scope():
-        model = build_model()
+        model = _batchnorm_model() if case == "batchnorm_on_one_rank" else build_model()
     before = [np.array(keras.ops.convert_to_numpy(w)) for w in model.weights]
+    callbacks, epochs, extra = [], 1, ""
     if case == "undeclared_pydataset":
         data = Batches([batch[:2] for batch in rank_batches("declared", rank)])
     elif case == "tf_shard":
         import tensorflow as tf
 
         data = tf.data.Dataset.from_tensor_slices((x, y)).shard(WORLD_SIZE, rank).batch(SAMPLER_BATCH)
-    elif case == "sampler_for_another_job":
+    elif case in ("sampler_for_another_job", "sampler_rank_on_one_rank"):
         dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
-        data = DataLoader(dataset, batch_size=SAMPLER_BATCH, sampler=DistributedSampler(dataset, num_replicas=3, rank=rank))
+        # The second: DistributedSampler(ds, rank=local_rank) on 2 nodes of 1 process each.
+        num_replicas, sampler_rank = (3, rank) if case == "sampler_for_another_job" else (WORLD_SIZE, 0)
+        sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=sampler_rank)
+        data = DataLoader(dataset, batch_size=SAMPLER_BATCH, sampler=sampler)
+    elif case == "differs_from_epoch_2":
+        data = SameInEpoch1Only(rank)
+        tracker = EpochTracker(data)
+        callbacks, epochs = [tracker], 3
+    elif case == "batchnorm_on_one_rank":
+        # Rank 0's batch of 1 gives its replica one sample; rank 1's batch of 4 is fine.
+        size = 1 if rank == 0 else 4
+        data = per_rank(Batches([(x[:size], y[:size])]))
+    elif case == "uneven_known_lengths":
+        data = per_rank(Batches(rank_batches("declared", rank)[: 3 + rank]))
     else:  # declared_on_one_rank
         data = Batches([batch[:2] for batch in rank_batches("declared", rank)])
         data = per_rank(data) if rank == 0 else data
     try:
-        model.fit(data, epochs=1, verbose=0)
+        model.fit(data, epochs=epochs, verbose=0, callbacks=callbacks, shuffle=False)
     except Exception as error:  # noqa: BLE001 - reported to the test
+        if case == "differs_from_epoch_2":
+            trained = not all(np.array_equal(a, b) for a, b in zip(before, tracker.after_epoch_1))
+            before, extra = tracker.after_epoch_1, f"trained_in_epoch_1={trained} "
         unchanged = all(np.array_equal(a, keras.ops.convert_to_numpy(w)) for a, w in zip(before, model.weights))
-        return error, unchanged
-    return None, False
+        return error, unchanged, extra
+    return None, False, extra
 
 
 def main():
@@ -276,9 +350,9 @@ def main():
             except ImportError:
                 print(f"SKIP {case}: tensorflow is not installed in this environment", flush=True)
                 continue
-        error, unchanged = error_case(case, strategy, rank)
+        error, unchanged, extra = error_case(case, strategy, rank)
         message = " ".join(str(error).split())
-        print(f"CAUGHT {case} {type(error).__name__} unchanged={unchanged}: {message}", flush=True)
+        print(f"CAUGHT {case} {type(error).__name__} unchanged={unchanged}: {extra}{message}", flush=True)
     return 0
 
 
