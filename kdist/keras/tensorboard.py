@@ -33,7 +33,6 @@ or kdist cannot do them exactly): `profile_batch` other than 0,
 TensorFlow.
 """
 
-import importlib.util
 import itertools
 import os
 import time
@@ -53,23 +52,14 @@ _FILE_NUMBERS = itertools.count()
 _TRAIN, _VALIDATION = "train", "validation"
 
 
-def tensorflow_summaries_available():
-    """True when TensorFlow and the tensorboard package are installed, so Keras' own callback works."""
-    for name in ("tensorflow", "tensorboard"):
-        try:
-            if importlib.util.find_spec(name) is None:
-                return False
-        except (ImportError, ValueError):
-            return False
-    return True
-
-
 class TensorBoard(keras.callbacks.TensorBoard):
     """Keras' `TensorBoard` callback for backends without TensorFlow: the same files, written by tensorboardX.
 
     On torch, once kdist is loaded, `keras.callbacks.TensorBoard(...)` builds
-    this class whenever TensorFlow or the tensorboard package is missing; with
-    both installed it stays Keras' own. Use this class by name to get it
+    this class whenever TensorFlow or the tensorboard package is missing or
+    fails to import; with both working it stays Keras' own. A Keras instance
+    built before kdist loaded becomes this class when a kdist model's `fit`
+    or `evaluate` receives it (`kdist.keras.tensorboard_redirect`). Use this class by name to get it
     either way. Its run directories, tags, steps and values are those of
     Keras' callback (see the module docstring). Under
     `MultiWorkerMirroredStrategy` only the chief writes.
@@ -92,7 +82,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
         kdist.errors.InvalidArgumentError: `update_freq` or `profile_batch` is
             not a value this callback accepts.
         kdist.errors.UnsupportedError: `embeddings_freq`, or `write_images`
-            with histograms, was asked for.
+            with histograms, was asked for; or tensorboardX, which writes the
+            event files, cannot be imported.
 
     Example:
 
@@ -141,6 +132,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
                 f"histogram_freq={histogram_freq!r}. Pass write_images=False, or install tensorflow "
                 "and tensorboard to use Keras' own callback."
             )
+        _require_tensorboardx()
         super().__init__(
             log_dir=log_dir,
             histogram_freq=histogram_freq,
@@ -166,7 +158,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
     # ----- writers ------------------------------------------------------------------
     def _writer(self, run):
         if run not in self._event_writers:
-            # Imported on first use: loading kdist does not import tensorboardX or protobuf.
+            # Imported at construction, not when kdist loads (tensorboardX imports protobuf).
             import tensorboardX
 
             suffix = f".{os.getpid()}.{next(_FILE_NUMBERS)}"
@@ -366,11 +358,23 @@ def histogram_buckets(values, bucket_count=HISTOGRAM_BUCKET_COUNT):
     return edges[:-1], edges[1:], counts
 
 
+def _require_tensorboardx():
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError as error:
+        raise UnsupportedError(
+            "kdist's TensorBoard callback (used where TensorFlow summaries are unavailable) writes its "
+            f"event files with tensorboardX, which cannot be imported. Received: {type(error).__name__}: "
+            f"{error}. Install it with `pip install tensorboardX`, or install tensorflow and tensorboard "
+            "to use Keras' own callback."
+        ) from error
+
+
 def install():
     """Makes `keras.callbacks.TensorBoard(...)` build this class where TensorFlow summaries are unavailable.
 
     Called once by `kdist.keras.hooks.install()` (torch backend). Idempotent.
     """
-    from kdist.keras import _compat
+    from kdist.keras import tensorboard_redirect
 
-    _compat.redirect_tensorboard_construction(TensorBoard, lambda: not tensorflow_summaries_available())
+    tensorboard_redirect.install()

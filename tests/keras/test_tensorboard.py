@@ -10,8 +10,10 @@ TensorFlow-backed callback writes for the same run.
 import copy
 import importlib.util
 import json
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import keras
@@ -20,7 +22,7 @@ import pytest
 
 import kdist
 from kdist.errors import InvalidArgumentError, UnsupportedError
-from kdist.keras import tensorboard
+from kdist.keras import tensorboard, tensorboard_redirect
 from tests import harness
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
@@ -31,8 +33,9 @@ TIMEOUT = 180
 needs_reader = pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None, reason="tensorboard's reader is not installed"
 )
+# Found, not imported: collecting these tests keeps TensorFlow out of this process.
 needs_tensorflow = pytest.mark.skipif(
-    not tensorboard.tensorflow_summaries_available(),
+    not tensorboard_redirect.tensorflow_summaries_installed(),
     reason="Keras' own TensorBoard callback needs TensorFlow and tensorboard (not installed here)",
 )
 # Two plain runs train identically: values are compared to float32 round-off.
@@ -161,6 +164,58 @@ def test_unchanged_keras_callback_without_tensorflow(tmp_path, strategy):
 
 
 @needs_reader
+def test_keras_callback_built_before_kdist_is_adopted_by_a_mirrored_fit(tmp_path):
+    # A callback list at the top of a script: Keras' class, since kdist's hooks are not installed yet.
+    history = tmp_path / "history.json"
+    options = {"histogram_freq": 1, "update_freq": "batch"}
+    log_dir, run = _run(tmp_path, "run", "unchanged", options, "--block-tensorflow", "--strategy", "mirrored",
+                        "--history", history, "--early")
+    output = run.output("run")
+    assert "before kdist: class=keras.src.callbacks.tensorboard.TensorBoard" in output
+    assert "class=kdist.keras.tensorboard.TensorBoard" in output.split("before kdist:")[1]
+    (read,) = _read(tmp_path, log_dir)
+    # The same object served fit and evaluate: one event file per run each, as Keras' writers.
+    assert [len(read[run_name]["files"]) for run_name in ("train", "validation")] == [2, 2]
+    _check_against_history(read, history, update_freq_batches=12)
+
+
+def _broken_tensorflow(tmp_path):
+    """A PYTHONPATH on which `tensorflow` is installed (found) but raises on import."""
+    package = tmp_path / "broken" / "tensorflow"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('raise ImportError("libtensorflow_framework.so.2: cannot open shared object")\n')
+    return {"PYTHONPATH": f"{package.parent}{os.pathsep}{harness.REPO_ROOT}"}
+
+
+@needs_reader
+def test_installed_but_broken_tensorflow_is_redirected(tmp_path):
+    history = tmp_path / "history.json"
+    options = {"histogram_freq": 1, "update_freq": "batch"}
+    log_dir, run = _run(tmp_path, "run", "unchanged", options, "--strategy", "mirrored", "--history", history,
+                        envs=[("run", _broken_tensorflow(tmp_path))])
+    assert "class=kdist.keras.tensorboard.TensorBoard" in run.output("run")
+    (read,) = _read(tmp_path, log_dir)
+    _check_against_history(read, history, update_freq_batches=12)
+
+
+def test_broken_tensorflow_is_found_but_unavailable(tmp_path):
+    # The control for the test above: find_spec sees the package; only importing it tells.
+    environ = dict(os.environ, KERAS_BACKEND="torch", **_broken_tensorflow(tmp_path))
+    code = ("from kdist.keras import tensorboard_redirect as r; "
+            "print(r.tensorflow_summaries_installed(), r.tensorflow_summaries_available())")
+    answer = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True,
+                            timeout=TIMEOUT, check=True).stdout.split()
+    assert answer == [str(importlib.util.find_spec("tensorboard") is not None), "False"]
+
+
+def test_missing_tensorboardx_is_a_typed_error_at_construction(monkeypatch):
+    # How Python marks a module missing: `import tensorboardX` raises ModuleNotFoundError.
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(UnsupportedError, match=r"tensorboardX.*Received: ModuleNotFoundError.*pip install tensorboardX"):
+        kdist.callbacks.TensorBoard("logs")
+
+
+@needs_reader
 def test_multi_worker_only_the_chief_writes(tmp_path):
     history = tmp_path / "history.json"
     options = {"histogram_freq": 1, "update_freq": "batch"}
@@ -190,7 +245,8 @@ def test_every_keras_hook_is_overridden():
 def test_public_name_and_construction():
     assert kdist.callbacks.TensorBoard is tensorboard.TensorBoard
     callback = keras.callbacks.TensorBoard("logs")
-    expected = keras.callbacks.TensorBoard if tensorboard.tensorflow_summaries_available() else tensorboard.TensorBoard
+    available = tensorboard_redirect.tensorflow_summaries_available()
+    expected = keras.callbacks.TensorBoard if available else tensorboard.TensorBoard
     assert type(callback) is expected
     assert isinstance(kdist.callbacks.TensorBoard("logs"), keras.callbacks.TensorBoard)
 

@@ -10,7 +10,10 @@ meta-path finder that raises breaks torch, whose dynamo probes
 `--writer` picks the callback: `keras` (Keras' own class, which needs
 TensorFlow), `kdist` (`kdist.callbacks.TensorBoard`) or `unchanged`
 (`keras.callbacks.TensorBoard`, as a user writes it). Prints `pid=<pid>
-rank=<rank> class=<module.Class>`.
+rank=<rank> class=<module.Class>`. `--early` builds the `unchanged` callback
+before kdist is imported (a callback list at the top of a script), so it is
+Keras' own class until a kdist model's `fit` receives it; the class printed
+is then the one after `fit`.
 """
 
 import sys
@@ -53,11 +56,15 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--block-tensorflow", action="store_true")
     parser.add_argument("--history", help="write fit's history and evaluate's result here, as JSON")
+    parser.add_argument("--early", action="store_true", help="build the callback before importing kdist")
     args = parser.parse_args()
+    options = json.loads(args.options)
+    early = KerasTensorBoardName(args.log_dir, **options) if args.early else None
+    if early is not None:
+        print(f"before kdist: class={type(early).__module__}.{type(early).__name__}", flush=True)
 
     import kdist
 
-    options = json.loads(args.options)
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.random((40, 4), dtype=np.float32)
@@ -74,13 +81,15 @@ def main():
         strategy = kdist.get_strategy()  # the default strategy: plain Keras (and loads kdist)
     with strategy.scope():
         model = build_model()
-    if args.writer == "kdist":
+    if early is not None:
+        callback = early
+    elif args.writer == "kdist":
         callback = kdist.callbacks.TensorBoard(args.log_dir, **options)
     else:
         # The user's unchanged Keras name: Keras' own class where TensorFlow works, kdist's otherwise.
         callback = KerasTensorBoardName(args.log_dir, **options)
-    print(f"pid={os.getpid()} rank={rank} class={type(callback).__module__}.{type(callback).__name__}", flush=True)
     history = model.fit(x, y, batch_size=8, epochs=args.epochs, validation_split=0.25, callbacks=[callback], verbose=0)
+    print(f"pid={os.getpid()} rank={rank} class={type(callback).__module__}.{type(callback).__name__}", flush=True)
     evaluation = model.evaluate(x, y, batch_size=8, callbacks=[callback], verbose=0, return_dict=True)
     if args.history and rank == 0:
         with open(args.history, "w") as file:
