@@ -328,6 +328,7 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--fault")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--cases", default=",".join(ERROR_CASES))
     args = parser.parse_args()
 
     import kdist
@@ -343,7 +344,7 @@ def main():
             np.savez(os.path.join(args.out, f"{scenario}-rank{rank}.npz"), **results)
             print(f"DONE {scenario}", flush=True)
         return 0
-    for case in ERROR_CASES:
+    for case in args.cases.split(","):
         if case == "tf_shard":
             try:
                 import tensorflow  # noqa: F401
