@@ -19,6 +19,7 @@ worker's steps and the chief's driver never import each other:
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.keras import adapters, atomic_save, tensorboard_redirect
 from kdist.keras.parameter_server import chief_fit, worker_runtime, worker_steps
+from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.replica.adapter import ReplicaAdapter
 
 # Calls that run the chief's own torch steps, which accept one step per
@@ -42,8 +43,10 @@ class ParameterServerAdapter(ReplicaAdapter):
         strategy = session.strategy
         atomic_save.make_backups_atomic(method, model, name, args, kwargs)
         if name in ("fit", "evaluate") and strategy.extended.drives_workers:
-            # The chief drives the workers; it trains nothing itself.
+            # The chief drives the workers; it trains nothing itself. Its tables are
+            # read by rows too: joins skip them, and they are read whole once, below.
             session.check_supported()
+            ps_embeddings.mark_tables(model, strategy.extended.variable_router)
             run = chief_fit.fit if name == "fit" else chief_fit.evaluate
             try:
                 return run(model, strategy, *args, **kwargs)

@@ -11,11 +11,13 @@ and pass it to `torch.nn.functional.embedding` (2-D tables) or
 installs a `TorchFunctionMode` that recognises a table tensor there and
 answers from the servers instead (`VariableRouter.lookup`: the distinct
 ids, one request per server). The rows come back as a fresh leaf tensor;
-after backward its `.grad` holds the row gradients, and
-`attach_row_gradients` hands them to `optimizer.apply` as a sparse COO
-tensor shaped like the table, so the replica engine's weighted sum works on
-them unchanged (rows looked up by several replicas: union of ids, gradients
-summed) and the push carries only those rows (`VariableRouter.send_gradients`).
+when backward reaches it, a hook adds its gradient to the table tensor's
+`.grad` as a sparse COO tensor shaped like the table. Whatever reads
+`variable.value.grad` next (Keras' `train_step`, a custom loop, each replica
+of the replica engine) hands that to `optimizer.apply`; the replica
+engine's weighted sum works on it unchanged (rows looked up by several
+replicas: union of ids, gradients summed), and the push carries only those
+rows (`VariableRouter.send_gradients`, duplicate ids summed by `rows_of`).
 
 Tables (`mark_tables`): `Embedding` tables and row-partitioned trainable
 variables of two or more dimensions. A table that a step uses any other way
@@ -38,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
 
-_local = threading.local()  # .records: [(entry, unique ids, rows leaf)] looked up in this thread
+_local = threading.local()  # .active: a `row_lookups` block is open in this thread
 
 # Tensor functions that read a table's metadata only, or write its .grad.
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "__len__", "is_floating_point", "is_complex",
@@ -85,9 +87,11 @@ def _check_embedding_inputs(layer):
     def call(inputs, *args, **kwargs):
         if isinstance(inputs, torch.Tensor) and inputs.device.type != "meta" and inputs.numel():
             if inputs.is_floating_point() or inputs.is_complex():
-                bad = inputs.reshape(-1)[0].item()
+                flat = inputs.reshape(-1)
+                fractional = torch.nonzero(flat != torch.floor(flat.real if inputs.is_complex() else flat))
+                bad = flat[fractional[0, 0] if len(fractional) else 0].item()
                 raise InvalidArgumentError(
-                    f"Embedding layer {layer.name!r} received float ids (first: {bad!r}, dtype "
+                    f"Embedding layer {layer.name!r} received float ids (the id {bad!r}, dtype "
                     f"{inputs.dtype}); its table of V={layer.input_dim} rows lives on parameter "
                     "servers and is indexed by integers in [0, V). Cast the ids to int32/int64 yourself."
                 )
@@ -116,8 +120,6 @@ def row_lookups(router, entries=None):
     if not tables or getattr(_local, "active", False):  # none to read, or an outer block reads them
         yield
         return
-    if getattr(_local, "records", None) is None:
-        _local.records = []
     _local.active = True
     try:
         with _LookupMode(router, tables):
@@ -180,7 +182,7 @@ class _LookupMode(TorchFunctionMode):
         rows = rows.to(device=weight.device, dtype=weight.dtype)
         if torch.is_grad_enabled() and entry.trainable:
             rows.requires_grad_(True)
-            _local.records.append((entry, unique, rows))
+            rows.register_hook(_sparse_gradient_into(weight, unique))
             known = entry.lookup_versions
             for position, version in versions.items():
                 known[position] = min(version, known.get(position, version))
@@ -205,41 +207,14 @@ def _who(entry):
     return f"Layer {layer!r} (reading table {entry.variable.path!r})"
 
 
-def attach_row_gradients(router, gradients, variables):
-    """`gradients` with the row gradients this thread's lookups produced, as sparse COO tensors.
+def _sparse_gradient_into(weight, ids):
+    def hook(gradient):
+        sparse = torch.sparse_coo_tensor(ids[None].to(gradient.device), gradient, size=tuple(weight.shape),
+                                         check_invariants=False)
+        # Two lookups of one table in a step: their ids side by side, summed by `rows_of`.
+        weight.grad = sparse if weight.grad is None else weight.grad + sparse
 
-    Called at `optimizer.apply`, after backward: records whose rows got a
-    gradient are consumed; a table with no dense gradient gets the sparse one
-    (several lookups of one table: their ids concatenated, summed later by
-    `coalesce`), one that also has a dense gradient gets it added in.
-    """
-    records = getattr(_local, "records", None)
-    if not records:
-        return gradients
-    by_entry = {}
-    for entry, ids, rows in records:
-        if rows.grad is not None:
-            by_entry.setdefault(id(entry), []).append((ids, rows.grad))
-    records[:] = [record for record in records if record[2].grad is None]
-    if not by_entry:
-        return gradients
-    gradients = list(gradients)
-    for position, variable in enumerate(variables):
-        entry = router.entry(variable)
-        parts = by_entry.get(id(entry)) if entry is not None else None
-        if not parts:
-            continue
-        ids = torch.cat([ids for ids, _ in parts]).to(parts[0][1].device)
-        values = torch.cat([grad for _, grad in parts])
-        sparse = torch.sparse_coo_tensor(ids[None], values, size=tuple(entry.placement.shape), check_invariants=False)
-        dense = gradients[position]
-        gradients[position] = sparse if dense is None else dense + sparse.to_dense()
-    return gradients
-
-
-def forget_records():
-    """Drops this thread's lookups that no `apply` consumed (a step that raised, an evaluation)."""
-    _local.records = []
+    return hook
 
 
 def rows_of(gradient):

@@ -150,7 +150,6 @@ class KerasWorkerRuntime(WorkerRuntime):
             entries = store.entries(_variables_of(resources))
             if not getattr(function, "kdist_reads_variables_itself", False):
                 store.pull(entries)  # tables read by rows are looked up as the closure runs
-            ps_embeddings.forget_records()
             with ps_embeddings.row_lookups(store, entries):
                 return function(*args, **kwargs)
 

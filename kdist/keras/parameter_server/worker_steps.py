@@ -228,14 +228,11 @@ def _wrap_optimizer(optimizer, session):
 
     def apply(grads, trainable_variables=None):
         # Replicas of one worker record (fit) or merge (strategy.run) first: one combined push.
+        if gradient_merge.route(optimizer, grads, trainable_variables):
+            return None
         session = optimizer._kdist_ps_session
         if trainable_variables is None:
             trainable_variables = _compat.optimizer_trainable_variables(optimizer)
-        trainable_variables = list(trainable_variables)
-        # Row gradients of the tables this replica looked up, before they are recorded or merged.
-        grads = ps_embeddings.attach_row_gradients(session.router, list(grads), trainable_variables)
-        if gradient_merge.route(optimizer, grads, trainable_variables):
-            return None
         step = _current_step()
         with torch.no_grad():
             dense, rows = session.update_from(optimizer, list(grads), list(trainable_variables), step)
@@ -305,7 +302,6 @@ def _train_wrapper(function, session):
             session.router.pull(entries)
         step = _Step()
         _local.step = step
-        ps_embeddings.forget_records()
         try:
             with ps_embeddings.row_lookups(session.router, entries):
                 logs = function(data)
