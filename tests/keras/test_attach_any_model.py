@@ -223,3 +223,11 @@ def test_input_split_per_rank_is_checked_over_this_ranks_replicas(monkeypatch):
     guard.check([four])  # 2+2 over this rank's two replicas
     with pytest.raises(InvalidArgumentError, match=r"this rank's batch .* of 3 samples is split 2\+1 over 2"):
         guard.check([three])
+    # A rank whose per-rank generator ran out steps on with a 1-sample stand-in of weight 0: not refused.
+    per_rank_input.set_batch_kind(True, stand_in=True)
+    try:
+        guard.check([(np.zeros((1, 3), "float32"),)])
+    finally:
+        per_rank_input.set_batch_kind(False)
+    # (Several processes: every rank raises when any rank's batch splits badly, in
+    # tests/keras/replica/test_per_rank_input.py, batchnorm_on_one_rank.)
