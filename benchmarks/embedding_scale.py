@@ -287,10 +287,12 @@ class Child:
         return self.receive(timeout)
 
     def fail(self, reason):
-        _kill_all_children()
+        # The tail first: killing a child also removes its log.
         with open(self._log.name, "rb") as handle:
             tail = handle.read()[-4000:].decode(errors="replace")
-        raise BenchmarkError(f"{self.name} {reason}; every child was killed.\n--- {self.name} output (tail) ---\n{tail}")
+        _kill_all_children()
+        raise BenchmarkError(f"{self.name} {reason}; every child was killed.\n"
+                             f"--- {self.name} output (tail) ---\n{tail}")
 
     def peak_rss_mb(self):
         return _proc_status_mb(self.pid, "VmHWM")

@@ -121,3 +121,12 @@ def test_arguments_quick_defaults_and_refusals(bench):
 def test_lazy_adam_is_the_lazy_mode_and_the_others_exact(bench):
     assert {name: spec[2] for name, spec in bench.OPTIMIZERS.items()} == {
         "sgd": "exact", "adagrad": "exact", "adam": "exact", "adam_lazy": "lazy"}
+
+
+def test_a_child_that_dies_fails_the_benchmark_with_its_output(bench):
+    import sys
+
+    child = bench.Child("doomed", [sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"])
+    with pytest.raises(bench.BenchmarkError, match=r"(?s)doomed exited with code 3.*boom"):
+        child.receive(60)
+    assert child not in bench._children  # killed and forgotten: nothing outlives the benchmark
