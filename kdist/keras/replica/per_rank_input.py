@@ -183,11 +183,7 @@ def rank_batch_size(batch):
 
 
 def stand_in_batch(last):
-    """What a rank that ran out of per-rank input hands Keras while others still have data.
-
-    The first sample of its last batch: it runs through the step so that this
-    rank takes part in every collective, with weight 0 (`local_shards`).
-    """
+    """What a rank out of per-rank input hands Keras while others have data (weight 0, `local_shards`)."""
     return slice_batch(last, 0, 1)
 
 
@@ -202,11 +198,7 @@ def no_batches_error(reading, has_data):
 
 
 def uneven_lengths_error(reading, counts):
-    """The error every rank raises when per-rank inputs of known length hold different numbers of batches.
-
-    Keras fixes an epoch's steps from the input's length before it reads, so
-    a rank with fewer batches cannot be stepped on with empty parts.
-    """
+    """Every rank's error for per-rank inputs of known, different lengths (Keras fixes the steps up front)."""
     shown = [count if count >= 0 else None for count in counts]
     return InputMismatchError(
         f"Ranks hold different numbers of batches of {reading.argument} (split per rank), "
