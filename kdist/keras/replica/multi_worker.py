@@ -6,8 +6,9 @@
   agree on the number of batches per epoch (the smallest), and for inputs
   other than arrays (generators, `PyDataset`, `DataLoader`) they agree before
   every step that each still has data: when one runs out, all stop the epoch.
-  Input already split per rank is used whole instead, runs while any rank
-  has data (exhausted ranks contribute empty parts), and the first batch of
+  Input already split per rank is used whole instead: known lengths must
+  agree, generators run while any rank has data (exhausted ranks contribute
+  empty parts), and the first batch of
   every epoch is compared across ranks (`kdist.keras.replica.per_rank_input`).
 - Side effects: only the chief (rank 0) shows a progress bar and runs
   `CSVLogger` and `TensorBoard`. `model.save`/`save_weights` are collectives:
