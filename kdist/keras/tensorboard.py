@@ -42,6 +42,7 @@ import keras
 import numpy as np
 
 from kdist.errors import InvalidArgumentError, UnsupportedError
+from kdist.keras import tensorboard_redirect
 from kdist.validation import invalid, is_integer
 
 # `tf.summary.histogram`'s default bucket count (tensorboard's DEFAULT_BUCKET_COUNT).
@@ -375,6 +376,4 @@ def install():
 
     Called once by `kdist.keras.hooks.install()` (torch backend). Idempotent.
     """
-    from kdist.keras import tensorboard_redirect
-
-    tensorboard_redirect.install()
+    tensorboard_redirect.install(TensorBoard)

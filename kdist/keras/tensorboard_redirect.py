@@ -24,9 +24,11 @@ import importlib.util
 import inspect
 
 from kdist.keras._compat import tensorboard as keras_tensorboard
-from kdist.keras.tensorboard import TensorBoard
 
 _SUMMARY_MODULES = ("tensorflow", "tensorboard")
+# kdist's class (`kdist.keras.tensorboard.TensorBoard`), once `install` ran;
+# passed in, because that module imports this one.
+_replacement = None
 
 
 def tensorflow_summaries_installed():
@@ -89,9 +91,9 @@ def adopt_keras_callbacks(method, args, kwargs):
     if not isinstance(callbacks, (list, tuple)):
         return
     keras_instances = [callback for callback in callbacks if type(callback) is keras_tensorboard.KerasTensorBoard]
-    if keras_instances and not tensorflow_summaries_available():
+    if _replacement is not None and keras_instances and not tensorflow_summaries_available():
         for callback in keras_instances:
-            keras_tensorboard.rebuild_in_place(callback, TensorBoard)
+            keras_tensorboard.rebuild_in_place(callback, _replacement)
 
 
 def _callbacks_position(method):
@@ -109,10 +111,16 @@ def _callbacks_position(method):
     return None
 
 
-def install():
-    """Makes `keras.callbacks.TensorBoard(...)` build kdist's class where TensorFlow summaries are unavailable.
+def install(replacement):
+    """Makes Keras' `TensorBoard` become `replacement` where TensorFlow summaries are unavailable.
 
-    Called once by `kdist.keras.hooks.install()` (torch backend), through
-    `kdist.keras.tensorboard.install`. Idempotent.
+    At construction from now on, and at `adopt_keras_callbacks` for instances
+    built before. Called once by `kdist.keras.tensorboard.install()` (torch
+    backend, from `kdist.keras.hooks.install()`). Idempotent.
+
+    Args:
+        replacement: `kdist.keras.tensorboard.TensorBoard`.
     """
-    keras_tensorboard.redirect_construction(TensorBoard, lambda: not tensorflow_summaries_available())
+    global _replacement
+    _replacement = replacement
+    keras_tensorboard.redirect_construction(replacement, lambda: not tensorflow_summaries_available())
