@@ -45,7 +45,7 @@ _local = threading.local()  # .active: a `row_lookups` block is open in this thr
 # Tensor functions that read a table's metadata only, or write its .grad.
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "__len__", "is_floating_point", "is_complex",
                        "element_size", "stride", "is_contiguous", "data_ptr", "storage_offset", "get_device",
-                       "requires_grad_", "__repr__", "__format__", "__hash__", "zero_"})
+                       "requires_grad_", "__repr__", "__format__", "__hash__"})
 # Functions whose result is the same table (another device or a view of the same memory).
 _ALIASES = frozenset({"to", "detach", "contiguous", "cpu", "cuda"})
 

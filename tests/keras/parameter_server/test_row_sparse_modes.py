@@ -159,8 +159,18 @@ def test_schedule_custom_loop_moves_rows_only(tmp_path):
         coordinator.join()
         # The updates reached the servers: plain Keras with the same steps agrees.
         plain, _ = _plain(initial, x, y, "sgd")
-        for weight, expected in zip(model.weights, plain.get_weights()):
-            np.testing.assert_allclose(strategy.extended.remote_view(weight).numpy(), expected, atol=2e-5)
+        views = [strategy.extended.remote_view(weight) for weight in model.weights]
+        trained = [view.numpy() for view in views]
+        for value, expected in zip(trained, plain.get_weights()):
+            np.testing.assert_allclose(value, expected, atol=2e-5)
+        # A bad id on the worker: its typed error reaches the chief; nothing was applied.
+        bad = x[:BATCH].copy()
+        bad[3, 1] = ROWS + 7
+        coordinator.schedule(train_step, args=(bad, y[:BATCH]))
+        with pytest.raises(InvalidArgumentError, match=rf"(?s)emb.*id {ROWS + 7}.*V={ROWS}"):
+            coordinator.join()
+        for view, value in zip(views, trained):
+            np.testing.assert_array_equal(view.numpy(), value)
         coordinator.shutdown()
 
 
