@@ -43,15 +43,18 @@ class ParameterServerAdapter(ReplicaAdapter):
         strategy = session.strategy
         atomic_save.make_backups_atomic(method, model, name, args, kwargs)
         if name in ("fit", "evaluate") and strategy.extended.drives_workers:
-            # The chief drives the workers; it trains nothing itself. Its tables are
-            # read by rows too: joins skip them, and they are read whole once, below.
+            # The chief drives the workers; it trains nothing itself. During the call
+            # its tables are row-read (the coordinator's joins skip them); they are
+            # read whole once, below, and joins read them again afterwards.
             session.check_supported()
-            ps_embeddings.mark_tables(model, strategy.extended.variable_router)
+            marked = ps_embeddings.mark_tables(model, strategy.extended.variable_router)
             run = chief_fit.fit if name == "fit" else chief_fit.evaluate
             try:
                 return run(model, strategy, *args, **kwargs)
             finally:
                 session.pull(include_row_sparse=True)
+                for entry in marked:
+                    entry.row_sparse = False
         if name in _ONE_STEP_CALLS:
             with chief_fit.one_step_per_execution(model):
                 return worker_steps.local_call(method, model, name, args, kwargs)

@@ -51,7 +51,12 @@ _ALIASES = frozenset({"to", "detach", "contiguous", "cpu", "cuda"})
 
 
 def mark_tables(model, router):
-    """Makes the remote tables of `model` row-read: `Embedding` tables and row-partitioned trainable variables."""
+    """Makes the remote tables of `model` row-read: `Embedding` tables and row-partitioned trainable variables.
+
+    Returns:
+        The `Route`s this call marked (those not row-read before it).
+    """
+    marked = []
     for layer in [model, *_compat.sublayers(model)]:
         is_embedding = isinstance(layer, keras.layers.Embedding)
         if is_embedding and (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)):
@@ -61,10 +66,13 @@ def mark_tables(model, router):
             if entry is None:
                 continue
             if (is_embedding and variable is layer.embeddings) or _is_partitioned_table(entry):
+                if not entry.row_sparse:
+                    marked.append(entry)
                 entry.row_sparse = True
                 entry.layer_name = layer.name
         if is_embedding and router.entry(layer.embeddings) is not None:
             _check_embedding_inputs(layer)
+    return marked
 
 
 def mark_variable(variable, router):
