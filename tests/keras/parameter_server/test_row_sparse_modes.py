@@ -293,3 +293,30 @@ def test_bad_ids_are_refused_naming_layer_id_and_v_before_any_push(bad, layer, s
         assert [s.applied_pushes for s in cluster.stats()] == before
         for view, value in zip(views, before_values):
             np.testing.assert_array_equal(view.numpy(), value)
+
+
+def build_regularized():
+    keras.utils.set_random_seed(7)
+    ids = keras.Input((IDS,), dtype="int64")
+    emb = keras.layers.Embedding(ROWS, DIM, name="emb", embeddings_regularizer=keras.regularizers.L2(1e-4))
+    model = keras.Sequential([ids, emb, keras.layers.GlobalAveragePooling1D(name="pool"), keras.layers.Dense(1, name="out")])
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    return model
+
+
+def test_a_table_also_read_densely_is_read_whole_and_stays_exact():
+    """A regularizer reads the whole table: the step reads it from the servers first, then trains densely."""
+    x, y = _data(seed=4)
+    with _ps.in_process_servers(2) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver(), variable_partitioner=_partitioner())
+        with strategy.scope():
+            model = build_regularized()
+        initial = model.get_weights()
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert not strategy.extended.variable_router.entry(model.get_layer("emb").embeddings).row_sparse
+        plain = build_regularized()
+        plain.set_weights(initial)
+        plain_history = plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(ours, theirs, atol=2e-5)
+        np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
