@@ -58,7 +58,9 @@ def _custom_objects(objects):
 # ----- chief side ---------------------------------------------------------------------
 def _describe_strategy(strategy, coordinator):
     extended = strategy.extended
-    spec = {"cluster": extended.cluster_resolver.cluster_spec().as_dict(), "options": extended.options}
+    # sparse_updates travels too: a worker's router sends it with the optimizer config.
+    spec = {"cluster": extended.cluster_resolver.cluster_spec().as_dict(), "options": extended.options,
+            "sparse_updates": extended.sparse_updates}
     return "strategy", spec, None
 
 

@@ -60,7 +60,8 @@ class KerasWorkerRuntime(WorkerRuntime):
     def _build_strategy(self, spec):
         if self.strategy is None:
             resolver = SimpleClusterResolver(ClusterSpec(spec["cluster"]), task_type="worker", task_id=self.task_index)
-            self.strategy = ParameterServerStrategy(resolver, options=spec["options"], security=self.security)
+            self.strategy = ParameterServerStrategy(resolver, options=spec["options"], security=self.security,
+                                                    sparse_updates=spec["sparse_updates"])
         return self.strategy
 
     def _adopt(self, strategy, variable, keys, placement, shape, dtype):
