@@ -10,9 +10,9 @@ failure under the strategy) to the work folder.
 
 Usage (from the repository root; about 10 minutes on 2 CPU cores):
 
-    python tools/keras_suite/run.py --work /tmp/keras_suite
-    python tools/keras_suite/run.py --work /tmp/keras_suite -k "fit or evaluate"
-    python tools/keras_suite/run.py --work /tmp/keras_suite --only mirrored
+    python benchmarks/keras_suite/run.py --work /tmp/keras_suite
+    python benchmarks/keras_suite/run.py --work /tmp/keras_suite -k "fit or evaluate"
+    python benchmarks/keras_suite/run.py --work /tmp/keras_suite --only mirrored
 
 It is not collected by the repository's pytest (`testpaths = ["tests"]`).
 """

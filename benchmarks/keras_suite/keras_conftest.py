@@ -1,6 +1,6 @@
 """Stands in for Keras' repository `conftest.py` (not in the sdist): `from conftest import skip_if_backend`.
 
-`tools/keras_suite/run.py` copies it into the work folder as `conftest.py`.
+`benchmarks/keras_suite/run.py` copies it into the work folder as `conftest.py`.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """pytest plugin: runs Keras' own tests with every model created inside a kdist strategy's scope.
 
-Loaded by `tools/keras_suite/run.py` (`-p kdist_suite_plugin`). With
+Loaded by `benchmarks/keras_suite/run.py` (`-p kdist_suite_plugin`). With
 `--kdist-mirrored`, each test runs inside
 `kdist.MirroredStrategy(["cpu:0", "cpu:1"]).scope()` (a fresh strategy per test),
 so every model the test creates or compiles is attached to two replicas. Without
