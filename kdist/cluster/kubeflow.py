@@ -24,7 +24,7 @@ import os
 
 from kdist.cluster.address import MAX_PORT
 from kdist.cluster.rendezvous import Rendezvous
-from kdist.cluster.torchrun import TorchrunClusterResolver, read_host, read_integer
+from kdist.cluster.torchrun import TorchrunClusterResolver, read_host, read_integer, require_all
 from kdist.errors import ClusterEnvironmentError
 
 PET_VARIABLES = (
@@ -91,15 +91,7 @@ class KubeflowTrainerClusterResolver(TorchrunClusterResolver):
     def __init__(self, environ=None):
         # Not super().__init__(): that reads torchrun's variables, which are unset here.
         environ = os.environ if environ is None else environ
-        for name in PET_VARIABLES:
-            if name not in environ:
-                raise ClusterEnvironmentError(
-                    f"A {_LAUNCHER} environment variable is missing. Received: {name} unset "
-                    f"(set: {[key for key in PET_VARIABLES if key in environ]}). Expected all "
-                    f"of {list(PET_VARIABLES)}, as a TrainJob of the torch runtime sets them.",
-                    name,
-                    None,
-                )
+        require_all(environ, PET_VARIABLES, _LAUNCHER, "a TrainJob of the torch runtime sets them.")
         for name in _RANK_VARIABLES:
             if name in environ:
                 raise ClusterEnvironmentError(

@@ -23,6 +23,26 @@ _INTEGER_PATTERN = re.compile(r"[0-9]+")
 _AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
+def require_all(environ, names, launcher, how):
+    """Raises `ClusterEnvironmentError` naming the first of `names` unset in `environ`.
+
+    Args:
+        environ: the environment (read only).
+        names: the variables the launcher always sets, in order.
+        launcher: its name in the message, e.g. `"torchrun"`.
+        how: the sentence's ending: how the variables get set.
+    """
+    for name in names:
+        if name not in environ:
+            raise ClusterEnvironmentError(
+                f"A {launcher} environment variable is missing. Received: {name} unset "
+                f"(set: {[key for key in names if key in environ]}). Expected all of "
+                f"{list(names)}; {how}",
+                name,
+                None,
+            )
+
+
 def read_integer(environ, name, lowest, highest, expected, launcher="torchrun"):
     """Returns environment variable `name` as an int in `lowest..highest`.
 
@@ -105,16 +125,7 @@ class TorchrunClusterResolver(ClusterResolver):
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
-        for name in REQUIRED_VARIABLES:
-            if name not in environ:
-                raise ClusterEnvironmentError(
-                    f"A torchrun environment variable is missing. Received: {name} unset "
-                    f"(set: {[key for key in REQUIRED_VARIABLES if key in environ]}). "
-                    f"Expected all of {list(REQUIRED_VARIABLES)}; launch with torchrun or "
-                    "set them yourself.",
-                    name,
-                    None,
-                )
+        require_all(environ, REQUIRED_VARIABLES, "torchrun", "launch with torchrun or set them yourself.")
         world_size = read_integer(environ, "WORLD_SIZE", 1, 2**31, "a positive integer")
         rank = read_integer(
             environ, "RANK", 0, world_size - 1, f"an integer in 0..WORLD_SIZE-1={world_size - 1}"
