@@ -1,4 +1,4 @@
-"""Shared by the Slurm and Kubeflow tests: clean environments and the no-argument strategy worker."""
+"""Shared by the launcher-variable tests: environments, and the no-argument strategy worker."""
 
 import math
 import re
@@ -20,6 +20,19 @@ NO_LAUNCHER = {
         "PET_MASTER_PORT", "CUDA_VISIBLE_DEVICES",
     )
 }
+
+
+def changed(base, **changes):
+    """A copy of the environment `base` with `changes` applied; a None value removes the variable."""
+    environ = dict(base)
+    for name, value in changes.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
+
+
 _LINE = re.compile(r"RESOLVER (\S+) RANK (\d+) WORLD (\d+) TASK (\S+)\nSUM (\S+)\nWEIGHTS (\S+)")
 
 

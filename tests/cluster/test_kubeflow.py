@@ -18,13 +18,7 @@ TRAINJOB = {
 
 
 def trainjob(**changes):
-    environ = dict(TRAINJOB)
-    for name, value in changes.items():
-        if value is None:
-            environ.pop(name, None)
-        else:
-            environ[name] = value
-    return environ
+    return _launcher_env.changed(TRAINJOB, **changes)
 
 
 def test_one_process_per_node_is_rank_node_rank():

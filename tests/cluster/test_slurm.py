@@ -28,13 +28,8 @@ LAYOUT = {0: ("0", "0"), 1: ("0", "1"), 2: ("1", "0"), 3: ("1", "1")}  # procid 
 
 
 def step(procid=2, **changes):
-    environ = dict(STEP, SLURM_PROCID=str(procid), SLURM_NODEID=LAYOUT[procid][0], SLURM_LOCALID=LAYOUT[procid][1])
-    for name, value in changes.items():
-        if value is None:
-            environ.pop(name, None)
-        else:
-            environ[name] = value
-    return environ
+    base = dict(STEP, SLURM_PROCID=str(procid), SLURM_NODEID=LAYOUT[procid][0], SLURM_LOCALID=LAYOUT[procid][1])
+    return _launcher_env.changed(base, **changes)
 
 
 def test_tensorflow_job_layout_ps_then_workers():

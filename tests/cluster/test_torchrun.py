@@ -4,6 +4,7 @@ import pytest
 
 from kdist.cluster import ClusterSpec, Rendezvous, TorchrunClusterResolver
 from kdist.errors import InvalidArgumentError
+from tests.cluster import _launcher_env
 
 TORCHRUN_ENV = {
     "RANK": "5",
@@ -17,13 +18,7 @@ TORCHRUN_ENV = {
 
 
 def environ_with(**changes):
-    environ = dict(TORCHRUN_ENV)
-    for name, value in changes.items():
-        if value is None:
-            environ.pop(name, None)
-        else:
-            environ[name] = value
-    return environ
+    return _launcher_env.changed(TORCHRUN_ENV, **changes)
 
 
 def test_reads_the_torchrun_variables():
