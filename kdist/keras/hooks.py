@@ -21,7 +21,7 @@ import functools
 from kdist import faults
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, adapters, resume_shuffle, sync_batchnorm, tensorboard
+from kdist.keras import _compat, adapters, resume_shuffle, sync_batchnorm, tensorboard, tensorboard_redirect
 from kdist.keras.parameter_server import adapter as parameter_server_adapter
 from kdist.keras.replica import adapter as replica_adapter
 from kdist.keras.replica import multi_worker
@@ -164,6 +164,8 @@ def _scoped(model, name):
             return call(self, strategy, args, kwargs)
 
     def call(self, strategy, args, kwargs):
+        # Keras TensorBoards built before kdist loaded become kdist's here, for every adapter.
+        tensorboard_redirect.adopt_keras_callbacks(method, args, kwargs)
         with strategy.scope():
             return adapters.adapter_for(strategy).route_call(method, self, name, args, kwargs)
 

@@ -8,7 +8,7 @@ writes the same files:
 - at construction, once kdist's hooks are installed (`install`): building
   exactly Keras' class builds kdist's (`_compat.tensorboard.redirect_construction`);
 - at a kdist model's `fit`/`evaluate`/`predict` (`adopt_keras_callbacks`, called
-  by the strategies' Keras adapters): an instance of exactly Keras' class built
+  by `hooks.py` before any adapter routes the call): an instance of exactly Keras' class built
   before the hooks were installed (a callback list written above the first
   `kdist.<name>` use) is turned into kdist's class in place, the same object.
 

@@ -17,7 +17,7 @@ worker's steps and the chief's driver never import each other:
 """
 
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
-from kdist.keras import adapters, atomic_save, tensorboard_redirect
+from kdist.keras import adapters, atomic_save
 from kdist.keras.parameter_server import chief_fit, worker_runtime, worker_steps
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.replica.adapter import ReplicaAdapter
@@ -38,7 +38,6 @@ class ParameterServerAdapter(ReplicaAdapter):
         worker_steps.wrap_step_functions(model, self.strategy)
 
     def route_call(self, method, model, name, args, kwargs):
-        tensorboard_redirect.adopt_keras_callbacks(method, args, kwargs)  # Keras TensorBoards built earlier
         session = worker_steps.session_of(model)
         strategy = session.strategy
         atomic_save.make_backups_atomic(method, model, name, args, kwargs)

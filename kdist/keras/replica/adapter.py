@@ -21,7 +21,7 @@ from kdist import faults
 from kdist.distribute.batching import batch_size_of, split_sizes
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
-from kdist.keras import _compat, adapters, tensorboard_redirect
+from kdist.keras import _compat, adapters
 from kdist.keras._compat.layers import torch_batchnorm_modules
 from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker, per_rank_input
 from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
@@ -44,7 +44,6 @@ class ReplicaAdapter(adapters.KerasAdapter):
                 object.__setattr__(model, f"{kind}_function", None)
 
     def route_call(self, method, model, name, args, kwargs):
-        tensorboard_redirect.adopt_keras_callbacks(method, args, kwargs)  # Keras TensorBoards built earlier
         strategy = self.strategy
         collectives = strategy.extended.collectives
         if collectives is None:
