@@ -314,7 +314,8 @@ class VariableClient:
             variables={
                 item.name: VariableStats(item.version, item.applied_updates,
                                          item.rejected_updates, tuple(item.shape), item.dtype,
-                                         item.num_bytes)
+                                         item.num_bytes, item.sparse_applies, item.dense_applies,
+                                         item.rows_updated)
                 for item in response.variables
             },
             requests=dict(response.requests),

@@ -285,7 +285,8 @@ class VariableServicer:
                 pb.VariableStatsMessage(
                     name=name, version=item.version, applied_updates=item.applied_updates,
                     rejected_updates=item.rejected_updates, shape=item.shape,
-                    dtype=item.dtype, num_bytes=item.num_bytes)
+                    dtype=item.dtype, num_bytes=item.num_bytes, sparse_applies=item.sparse_applies,
+                    dense_applies=item.dense_applies, rows_updated=item.rows_updated)
                 for name, item in stats.variables.items()
             ],
             requests=stats.requests,

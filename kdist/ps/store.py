@@ -360,7 +360,8 @@ class VariableStore:
             with entry.lock:
                 variables[entry.name] = VariableStats(
                     entry.version, entry.applied_updates, entry.rejected_updates,
-                    entry.shape, entry.dtype.name, entry.array.nbytes)
+                    entry.shape, entry.dtype.name, entry.array.nbytes,
+                    entry.sparse_applies, entry.dense_applies, entry.rows_updated)
         deduplicated = self.update_ids.num_deduplicated
         with self._lock:
             return ServerStats(

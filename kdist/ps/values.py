@@ -190,7 +190,13 @@ class OptimizerState:
 
 @dataclasses.dataclass(frozen=True)
 class VariableStats:
-    """Counters of one variable on a server."""
+    """Counters of one variable on a server.
+
+    `sparse_applies` counts row gradients applied to their touched rows only,
+    `dense_applies` gradients applied as Keras' dense update (see
+    `kdist.ps.row_updates`), `rows_updated` the distinct rows of the row
+    gradients applied.
+    """
 
     version: int
     applied_updates: int
@@ -198,6 +204,9 @@ class VariableStats:
     shape: tuple[int, ...]
     dtype: str
     num_bytes: int
+    sparse_applies: int = 0
+    dense_applies: int = 0
+    rows_updated: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

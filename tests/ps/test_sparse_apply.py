@@ -287,6 +287,10 @@ def test_row_pushes_through_the_service_are_sparse_and_exact(client, server, rng
     assert served.iterations == 10
     np.testing.assert_allclose(served.slots["accumulator"], local_slots[0], rtol=0, atol=1e-6)
     assert server.store.update_counts()["table"]["sparse_applies"] == 10
+    # The same counters over the wire (what benchmarks read from a ps process).
+    table = client.stats().variables["table"]
+    assert (table.sparse_applies, table.dense_applies) == (10, 0)
+    assert table.rows_updated == server.store.update_counts()["table"]["rows_updated"] > 0
 
 
 def _push_past_the_client(server, options, items):
