@@ -30,6 +30,13 @@ from kdist.ps.values import (
 RECONNECT_BACKOFF_MS = (100, 1000)
 
 
+def _single_request_callable(channel, method):
+    request_serializer, _ = method.request_coders()
+    _, response_deserializer = method.response_coders()
+    factory = channel.unary_stream if method.response_streaming else channel.unary_unary
+    return factory(method.path, request_serializer=request_serializer, response_deserializer=response_deserializer)
+
+
 class VariableClient:
     """A client of one variable-service server. Thread-safe; one gRPC channel.
 
@@ -76,6 +83,12 @@ class VariableClient:
         self._channel = security.channel(address, channel_options)
         self._metadata = ()
         self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}
+        # A request stream of one message goes out as a unary request on the
+        # same path: the wire format is the same (the server's handler reads a
+        # stream of one), and grpcio starts no thread to consume it, which it
+        # does for every streamed request.
+        self._single_calls = {name: _single_request_callable(self._channel, method)
+                              for name, method in METHODS.items() if method.request_streaming}
         self._connected = False  # set by the first call that succeeds
         self._closed = threading.Event()  # wakes a retry's backoff on close()
 

@@ -1,6 +1,8 @@
 """`VariableClient`'s calls: one deadline for all attempts, retries on UNAVAILABLE, a watchdog."""
 
+import itertools
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -57,10 +59,25 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
 
 
 def _attempt(client, name, request, read, remaining, wait_for_ready):
-    return watched_call(client._calls[name], METHODS[name].response_streaming,
-                        request() if callable(request) else request, read,
+    multi_callable = client._calls[name]
+    if callable(request):
+        request = _single_or_stream(request())
+        if not isinstance(request, Iterator):
+            # One message: sent as a unary request (see `VariableClient._single_calls`).
+            multi_callable = client._single_calls[name]
+    return watched_call(multi_callable, METHODS[name].response_streaming, request, read,
                         timeout=max(remaining, 0.0), metadata=client._metadata,
                         wait_for_ready=wait_for_ready)
+
+
+def _single_or_stream(messages):
+    """The only message of `messages`, or an iterator over all of them (still lazy after the second)."""
+    messages = iter(messages)
+    first = next(messages, None)
+    second = next(messages, None)
+    if second is None:
+        return first
+    return itertools.chain((first, second), messages)
 
 
 def _code(error):
