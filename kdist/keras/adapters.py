@@ -46,6 +46,10 @@ class KerasAdapter:
     def on_variable_created(self, variable):
         """Called for every Keras variable initialised inside the strategy's scope."""
 
+    def on_variable_initializing(self, variable, initializer):
+        """Called before Keras computes a variable's first value in the scope: a `torch.nn.Parameter`, or None."""
+        return None
+
 
 def register(strategy_class, adapter_class):
     """Makes `adapter_for` answer `adapter_class` for `strategy_class` and its subclasses.

@@ -82,11 +82,18 @@ def install():
         if context.has_strategy():
             adapters.adapter_for(context.get_strategy()).on_variable_created(variable)
 
+    def on_variable_initializing(variable, initializer):
+        # Before Keras computes a first value: a strategy may supply it (a table held elsewhere).
+        if context.has_strategy():
+            return adapters.adapter_for(context.get_strategy()).on_variable_initializing(variable, initializer)
+        return None
+
     trainer.__init__ = __init__
     trainer.compile = compile
     for name in ("fit", "evaluate", "predict"):
         setattr(_compat.TorchTrainer, name, _refusing_unattached(getattr(_compat.TorchTrainer, name)))
     _compat.install_variable_hook(on_variable_created)
+    _compat.install_variable_initializer_hook(on_variable_initializing)
     _compat.install_epoch_iterator_hook(epoch_iterable)
     _installed = True
 

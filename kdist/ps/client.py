@@ -2,6 +2,8 @@
 
 import threading
 
+import numpy as np
+
 from kdist.cluster.address import parse_address
 from kdist.ps import client_retry, codec
 from kdist.ps._generated import variable_service_pb2 as pb
@@ -118,22 +120,26 @@ class VariableClient:
             kdist.errors.ParameterServerError: `INVALID_ARGUMENT` when a variable
                 exists with another shape, dtype or trainable flag.
         """
-        arrays = [codec.as_array(item.value, f"the value of {item.name!r}") for item in items]
+        arrays = [codec.as_array(item.value, f"the value of {item.name!r}") if item.initializer is None
+                  else np.asarray(item.value)  # its shape and dtype only (no payload)
+                  for item in items]
         header = pb.CreateHeader(items=[
-            pb.CreateItem(name=item.name, value=codec.tensor_meta(array), trainable=item.trainable)
+            pb.CreateItem(name=item.name, value=codec.tensor_meta(array), trainable=item.trainable,
+                          initializer=_server_initializer(item.initializer))
             for item, array in zip(items, arrays)
         ])
+        sent = [array for item, array in zip(items, arrays) if item.initializer is None]
 
         def read(frames):
             response, values = codec.read_stream(frames, variables_layout, "create response")
             values = iter(values)
             return [
-                VariableState(meta.name, next(values) if meta.has_value else array.copy(),
-                              meta.version)
-                for meta, array in zip(response.variables, arrays)
+                VariableState(meta.name, next(values) if meta.has_value
+                              else None if item.initializer is not None else array.copy(), meta.version)
+                for meta, item, array in zip(response.variables, items, arrays)
             ]
 
-        return self._call("Create", lambda: self._stream(header, arrays), read)
+        return self._call("Create", lambda: self._stream(header, sent), read)
 
     def pull(self, names, known_versions=None, out=None):
         """Returns the `VariableState` of each name; value None when its version is known.
@@ -377,3 +383,10 @@ class VariableClient:
 
     def __repr__(self):
         return f"VariableClient(address={self.address!r})"
+
+
+def _server_initializer(spec):
+    if spec is None:
+        return None
+    return pb.ServerInitializer(config_json=spec.config_json, full_shape=list(spec.full_shape),
+                                row_start=int(spec.row_start))

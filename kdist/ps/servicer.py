@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, codec
+from kdist.ps import checkpoint, codec, server_init
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.methods import METHODS, SERVICE_NAME
 from kdist.ps.options import ServiceOptions
@@ -112,13 +112,26 @@ class VariableServicer:
     def create(self, frames):
         header, arrays = codec.read_stream(frames, self._create_layout, "create")
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
+        arrays, existing = iter(arrays), {entry.name for entry in self.store.all_entries()}
+        values = [self._initial_value(item, existing) if item.HasField("initializer") else next(arrays)
+                  for item in header.items]
         results = self.store.create([
-            (item.name, array, item.trainable) for item, array in zip(header.items, arrays)
+            (item.name, array, item.trainable) for item, array in zip(header.items, values)
         ])
-        created = {entry.name for entry, was_created in results if was_created}
+        # A table initialised here is never sent back: its creator holds no copy.
+        kept = {item.name for item in header.items if item.HasField("initializer")}
+        kept.update(entry.name for entry, was_created in results if was_created)
         return self._variables_response(
-            [entry for entry, _ in results], lambda entry: entry.name not in created
+            [entry for entry, _ in results], lambda entry: entry.name not in kept
         )
+
+    @staticmethod
+    def _initial_value(item, existing):
+        dtype, shape = codec.parse_meta(item.value, f"variable {item.name!r}")
+        if item.name in existing:  # the first creator's value stays: only its shape and dtype are compared
+            return np.broadcast_to(np.zeros((), dtype), shape)
+        spec = item.initializer
+        return server_init.initial_shard(spec.config_json, spec.full_shape, spec.row_start, shape, dtype)
 
     @staticmethod
     def _create_layout(header):
@@ -132,7 +145,8 @@ class VariableServicer:
                 f"A create request names each variable once. Received: {name_list(repeated)} "
                 "more than once."
             )
-        return [codec.parse_meta(item.value, f"variable {item.name!r}") for item in header.items]
+        return [codec.parse_meta(item.value, f"variable {item.name!r}") for item in header.items
+                if not item.HasField("initializer")]
 
     def pull(self, request):
         known = dict(request.known_versions)

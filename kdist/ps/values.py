@@ -65,9 +65,29 @@ class VariableInit:
     name: str
     value: Any
     trainable: bool = True
+    initializer: "ServerInitializer | None" = None
 
     def __post_init__(self):
         check_name(self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInitializer:
+    """A value the server computes itself (`kdist.ps.server_init`): the variable's creator sends no value.
+
+    The `VariableInit`'s `value` then only gives the shard's shape and dtype
+    (any array of them, e.g. `np.broadcast_to(np.zeros((), "float32"), shape)`),
+    and the server never sends the value back.
+
+    Attributes:
+        config_json: `kdist.ps.server_init.initializer_config(initializer)`.
+        full_shape: the whole variable's shape.
+        row_start: the shard's first row in the whole variable.
+    """
+
+    config_json: str
+    full_shape: tuple
+    row_start: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,10 @@ KDIST_PRIVATE_ATTRIBUTES = {
     "_foreach_zero_",
     "_foreach_div_",
     "_version",
+    # torch's tensor-subclass API, as its subclassing guide uses it (a table's
+    # stand-in: kdist.keras.parameter_server.remote_tables).
+    "_make_subclass",
+    "_C",
 }
 # Names that hold kdist objects by convention: a GradientOverlap shares its
 # private state with the OverlappedStep of the same module (kdist.keras.replica.gradient_overlap).

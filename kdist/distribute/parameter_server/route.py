@@ -21,7 +21,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from kdist.ps import dtypes
+from kdist.ps import VariableInit, dtypes
+from kdist.ps.values import ServerInitializer
 
 
 def server_keys(index, placement):
@@ -55,6 +56,9 @@ class Route:
         lookup_versions: for a row-read table, the oldest version of each
             shard (by position) among the lookups since the last push.
         layer_name: the layer that reads a row-read table (named in errors), or None.
+        remote: True for a table that lives on the servers only: the local
+            variable holds a placeholder of no memory
+            (`kdist.keras.parameter_server.remote_tables`), never its value.
     """
 
     variable: object
@@ -65,6 +69,7 @@ class Route:
     snapshot: object = None
     lookup_versions: dict = dataclasses.field(default_factory=dict)
     layer_name: str = None
+    remote: bool = False
 
     @property
     def trainable(self):
@@ -73,6 +78,25 @@ class Route:
     @property
     def local_tensor(self):
         return self.variable.value
+
+    def create_requests(self, initializer_json=None):
+        """`{ps_index: [(shard position, VariableInit)]}` creating this variable's shards.
+
+        With `initializer_json`, each server computes its shards' value (a
+        table that lives there only); else they carry the local value.
+        """
+        placement, requests = self.placement, {}
+        value = None if initializer_json is not None else to_numpy(self.variable.value)
+        for position, shard in enumerate(placement.shards):
+            if initializer_json is not None:
+                shape = tuple(placement.shape) if not placement.is_partitioned else tuple(shard.shape)
+                part = np.broadcast_to(np.zeros((), dtypes.numpy_dtype(placement.dtype)), shape)
+                initializer = ServerInitializer(initializer_json, tuple(placement.shape), shard.row_start)
+            else:
+                part, initializer = placement.shard_part(position, value), None
+            item = VariableInit(self.keys[position], part, trainable=self.trainable, initializer=initializer)
+            requests.setdefault(shard.ps_index, []).append((position, item))
+        return requests
 
     def server_key(self, shard):
         """The server key of `shard` (one of `placement.shards`)."""

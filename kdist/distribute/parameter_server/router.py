@@ -7,9 +7,8 @@ shards live, their server keys, the server version each shard was last read
 at, and whether lookups replace dense reads (embedding tables).
 
 All traffic goes through `kdist.ps.VariableClient`. A call that touches
-several parameter servers sends one request to each, in parallel, so a
-training step costs one round trip per server for its pull and one for its
-push.
+several parameter servers sends one request to each, in parallel: a step
+costs one round trip per server for its pull and one for its push.
 
 Thread-safety: `VariableRouter` may be used from several threads; each entry
 is written by the thread that runs the model's step.
@@ -51,7 +50,7 @@ import numpy as np
 
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
-from kdist.ps import Assignment, DenseGradient, RowGradient, VariableInit, dtypes
+from kdist.ps import Assignment, DenseGradient, RowGradient, dtypes
 from kdist.ps.row_updates import CONFIG_KEY as SPARSE_UPDATES_KEY
 from kdist.ps.values import check_update_id
 
@@ -86,28 +85,31 @@ class VariableRouter:
         return tuple(self._clients)
 
     # ----- creation ---------------------------------------------------------------
-    def register(self, variable, placement):
+    def register(self, variable, placement, initializer_json=None):
         """Creates `variable`'s shards on their servers; the local copy takes the servers' value.
 
         Idempotent across workers: the first creator's value wins, so every
         worker starts from the same weights.
+
+        With `initializer_json` (`kdist.ps.server_init`), a table that lives on
+        the servers only (`Route.remote`): they compute its value; the local
+        variable is neither read nor written; steps read it by rows.
         """
         with self._lock:
             index = next(self._counter)
         # Keyed by creation order, not by name (see `route.server_keys`).
         keys = server_keys(index, placement)
-        entry = Route(variable, placement, keys, [0] * len(keys))
-        value = to_numpy(variable.value)
-        requests = {}
-        for position, shard in enumerate(placement.shards):
-            item = VariableInit(keys[position], placement.shard_part(position, value), trainable=bool(variable.trainable))
-            requests.setdefault(shard.ps_index, []).append((position, item))
+        remote = initializer_json is not None
+        entry = Route(variable, placement, keys, [0] * len(keys), row_sparse=remote, remote=remote)
+        requests = entry.create_requests(initializer_json)
         results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
         for ps_index, items in requests.items():
             for (position, _), state in zip(items, results[ps_index]):
-                entry.write_shard(position, state.value)
+                if not remote:
+                    entry.write_shard(position, state.value)
                 entry.versions[position] = state.version
-        entry.take_snapshot()
+        if not remote:
+            entry.take_snapshot()
         with self._lock:
             self._entries[id(variable)] = entry
         return entry
@@ -149,7 +151,7 @@ class VariableRouter:
         """Reads the servers' values into the local copies (one request per server)."""
         requests = {}
         for entry in entries:
-            if entry.row_sparse and not include_row_sparse:
+            if (entry.row_sparse and not include_row_sparse) or entry.remote:  # a remote table has no local copy
                 continue
             for position, shard in enumerate(entry.placement.shards):
                 requests.setdefault(shard.ps_index, []).append((entry, position))
@@ -255,16 +257,16 @@ class VariableRouter:
                 position = group.shard_index
                 update = RowGradient(entry.keys[position], group.local_ids, values[group.positions], versions.get(position, entry.versions[position]))
                 requests.setdefault(entry.placement.shards[position].ps_index, ([], []))[0].append(update)
-        for entry in assign:
-            value = to_numpy(entry.variable.value)
+        for item in assign:
+            # An entry (its local value), or `(entry, value)` for a table that lives on the servers only.
+            entry, value = item if isinstance(item, tuple) else (item, to_numpy(item.variable.value))
+            value = to_numpy(value)
             for position, shard in enumerate(entry.placement.shards):
                 assignment = Assignment(entry.keys[position], entry.placement.shard_part(position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
         results = self._per_server(
             requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
         return list(results.values())
-
-    # The name callers used before the stages were named; the same method.
 
     @contextlib.contextmanager
     def idempotent_updates(self, prefix):
@@ -308,9 +310,23 @@ class VariableRouter:
             self._update_ids.block = outer
 
     def assign(self, entries):
-        """Writes the local values of `entries` to their servers (restoring weights, for instance)."""
+        """Writes the local values of `entries` to their servers (restoring weights, for instance).
+
+        Tables that live on the servers only are skipped: `assign_whole` writes them.
+        """
+        entries = [entry for entry in entries if not entry.remote]
         self.send_gradients((), (), assign=entries)
         self.pull(entries, include_row_sparse=True)
+
+    def assign_whole(self, entry, value):
+        """Replaces the servers' value of `entry` by `value` (the whole variable), as one update."""
+        self.send_gradients((), (), assign=[(entry, value)])
+        entry.versions[:] = [-1] * len(entry.versions)
+
+    def read_whole(self, entry):
+        """The servers' current value of the whole of `entry` (NumPy), fetched shard by shard."""
+        parts = self.read_shards(entry, range(entry.placement.num_shards))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     # How servers apply row gradients (`kdist.ps.row_updates`); the strategy's
     # `sparse_updates` argument sets it. "exact" sends the config unchanged.

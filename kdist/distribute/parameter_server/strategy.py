@@ -90,6 +90,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         # The `kdist.coordinator.ClusterCoordinator` of this strategy, once one exists.
         self._cluster_coordinator = None
         self._creation_paused = 0
+        self._adopted_tables = frozenset()  # see `adopting_tables`
         weakref.finalize(container_strategy, self.variable_router.close)
 
     # ----- the coordinator (kdist.coordinator attaches itself) ------------------------
@@ -164,9 +165,13 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         return tuple(device_string(index) for index in range(self.num_ps))
 
     # ----- variable placement ---------------------------------------------------------
-    def _on_variable_created(self, variable):
-        """Places a variable just created in scope and creates it on its servers."""
-        if self._creation_paused:
+    def _on_variable_created(self, variable, shape=None, initializer_json=None):
+        """Places a variable just created in scope and creates it on its servers.
+
+        With `initializer_json`, before its local initialisation: a table the
+        servers hold and initialise (`VariableRouter.register`).
+        """
+        if self._creation_paused or self.variable_router.entry(variable) is not None:
             return None
         target = self.colocation_target
         colocate_with = None
@@ -176,12 +181,37 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         placement = self._placer.place(
             variable.name,
             # From the value: Keras sets `variable.shape` only after initialising it.
-            tuple(variable.value.shape),
+            tuple(variable.value.shape) if shape is None else tuple(shape),
             str(variable.dtype),
             partitioner=None if colocate_with is not None else self._partitioner,
             colocate_with=colocate_with,
         )
-        return self.variable_router.register(variable, placement)
+        return self.variable_router.register(variable, placement, initializer_json)
+
+    def create_remote_table(self, variable, shape, initializer_json):
+        """Creates, before its local initialisation, a table the servers hold and initialise (its `Route`)."""
+        return self._on_variable_created(variable, shape, initializer_json)
+
+    def partitions_rows(self, shape, dtype):
+        """True when a variable of `shape` created in scope now would be split into several shards."""
+        if self._creation_paused or self._partitioner is None or self.colocation_target is not None or not shape:
+            return False
+        try:
+            return int(self._partitioner(tuple(shape), dtype)[0]) > 1
+        except Exception:  # placing it raises the partitioner's error, with its explanation
+            return False
+
+    @contextlib.contextmanager
+    def adopting_tables(self, paths):
+        """Variables created inside whose path is in `paths` are tables the servers already hold (no local value)."""
+        outer, self._adopted_tables = self._adopted_tables, frozenset(paths)
+        try:
+            yield
+        finally:
+            self._adopted_tables = outer
+
+    def adopts_table(self, path):
+        return path in self._adopted_tables
 
     @contextlib.contextmanager
     def local_variable_creation(self):

@@ -73,6 +73,9 @@ _PINNED = {
     "EpochIterator.data_adapter": lambda: _probe_epoch_iterator().data_adapter,
     "ArrayDataAdapter": lambda: _array_adapter_module.ArrayDataAdapter,
     "keras.src.backend.torch.core.Variable._initialize": lambda: TorchVariable._initialize,
+    "Variable._initialize_with_initializer": lambda: TorchVariable._initialize_with_initializer,
+    "keras.src.backend.torch.core.get_device": lambda: _torch_core_module.get_device,
+    "keras.src.backend.torch.core.to_torch_dtype": lambda: _torch_core_module.to_torch_dtype,
     "global_state name_scope_stack": lambda: _probe_name_scope_stack(),
     "Trainer._symbolic_build": lambda: Trainer._symbolic_build,
     "Trainer._initial_epoch": lambda: keras.Sequential()._initial_epoch,
@@ -277,3 +280,36 @@ def install_variable_hook(hook):
         hook(self)
 
     TorchVariable._initialize = _initialize
+
+
+def install_variable_initializer_hook(hook):
+    """Lets `hook(variable, initializer)` supply a variable's first value before Keras computes it.
+
+    `hook` returns a `torch.nn.Parameter` to use as the value (the
+    initializer then never runs), or None to let Keras run it as usual.
+    """
+    original = TorchVariable._initialize_with_initializer
+
+    @functools.wraps(original)
+    def _initialize_with_initializer(self, initializer):
+        value = hook(self, initializer)
+        if value is None:
+            return original(self, initializer)
+        return self._initialize(value)
+
+    TorchVariable._initialize_with_initializer = _initialize_with_initializer
+
+
+def replace_torch_tensor(variable, parameter):
+    """Makes `parameter` (a `torch.nn.Parameter`) the tensor `variable` holds."""
+    variable._value = parameter
+
+
+def torch_device():
+    """The device Keras puts new torch tensors on."""
+    return _torch_core_module.get_device()
+
+
+def torch_dtype_of(variable):
+    """A Keras variable's dtype as a `torch.dtype`."""
+    return _torch_core_module.to_torch_dtype(variable.dtype)

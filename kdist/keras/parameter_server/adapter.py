@@ -18,7 +18,7 @@ worker's steps and the chief's driver never import each other:
 
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.keras import adapters, atomic_save
-from kdist.keras.parameter_server import chief_fit, worker_runtime, worker_steps
+from kdist.keras.parameter_server import chief_fit, remote_tables, worker_runtime, worker_steps
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.replica.adapter import ReplicaAdapter
 
@@ -53,7 +53,7 @@ class ParameterServerAdapter(ReplicaAdapter):
             finally:
                 session.pull(include_row_sparse=True)
                 for entry in marked:
-                    entry.row_sparse = False
+                    entry.row_sparse = entry.remote  # a table the servers hold stays read by rows
         if name in _ONE_STEP_CALLS:
             with chief_fit.one_step_per_execution(model):
                 return worker_steps.local_call(method, model, name, args, kwargs)
@@ -61,6 +61,9 @@ class ParameterServerAdapter(ReplicaAdapter):
 
     def on_variable_created(self, variable):
         worker_steps.on_variable_created(variable, self.strategy)
+
+    def on_variable_initializing(self, variable, initializer):
+        return remote_tables.placeholder_for(variable, initializer, self.strategy)
 
 
 def install():

@@ -98,6 +98,8 @@ def _describe_layer(layer, coordinator):
         "config": keras.saving.serialize_keras_object(layer),
         "custom_objects": _custom_objects(layers),
         "layout": layout,
+        # Tables the servers hold: the worker creates no local value for them.
+        "remote_paths": [weight.path for weight in layer.weights if store.entry(weight).remote],
         "compile": compile_config,
         "optimizer": optimizer if compile_config else None,
     }
@@ -128,7 +130,7 @@ def _describe_variable(variable, coordinator):
     spec = {
         "strategy": strategy, "keys": entry.keys, "placement": entry.placement,
         "shape": tuple(variable.shape), "dtype": str(variable.dtype),
-        "trainable": bool(variable.trainable), "name": variable.name,
+        "trainable": bool(variable.trainable), "name": variable.name, "remote": entry.remote,
     }
     return "variable", spec, None
 

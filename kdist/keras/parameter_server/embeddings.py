@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
+from kdist.keras.parameter_server import remote_tables
 
 _local = threading.local()  # .active: a `row_lookups` block is open in this thread
 
@@ -130,7 +131,7 @@ def row_lookups(router, entries=None):
         return
     _local.active = True
     try:
-        with _LookupMode(router, tables):
+        with remote_tables.in_lookups(), _LookupMode(router, tables):
             yield
     finally:
         _local.active = False
@@ -176,7 +177,10 @@ class _LookupMode(TorchFunctionMode):
                     self._aliases[id(result)] = (result, used[0])
                     return result
                 for entry in used:  # read densely: whole, now, and as an ordinary variable from now on
-                    self._router.pull([entry], include_row_sparse=True)
+                    table = remote_tables.of(entry.variable)
+                    if table is not None:  # held by the servers only: from now on also here
+                        table.materialise(torch.empty(table.shape, dtype=table.dtype))
+                    self._router.pull([entry], include_row_sparse=True, only_changed=table is None)
                     entry.row_sparse = False
         return func(*args, **kwargs)
 

@@ -41,6 +41,7 @@ from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
 from kdist.keras.parameter_server import embeddings as ps_embeddings
+from kdist.keras.parameter_server import remote_tables
 
 
 # ----- worker side --------------------------------------------------------------------
@@ -71,13 +72,18 @@ class KerasWorkerRuntime(WorkerRuntime):
                 f"the chief has {tuple(shape)} {dtype}: the model's config does not rebuild the same "
                 "weights. Give custom layers a get_config() that rebuilds them."
             )
-        strategy.extended.variable_router.adopt(variable, placement, keys)
+        router = strategy.extended.variable_router
+        entry = router.adopt(variable, placement, keys)
+        table = remote_tables.of(variable)
+        if table is not None:
+            remote_tables.bind(table, entry, router)
 
     def _build_model(self, spec):
         strategy = spec["strategy"]
         with strategy.scope(), strategy.extended.local_variable_creation():
             with keras.saving.custom_object_scope(spec["custom_objects"]):
-                model = keras.saving.deserialize_keras_object(spec["config"])
+                with strategy.extended.adopting_tables(spec.get("remote_paths", ())):
+                    model = keras.saving.deserialize_keras_object(spec["config"])
         if len(model.weights) != len(spec["layout"]):
             raise InvalidArgumentError(
                 f"The worker rebuilt {model.name!r} with {len(model.weights)} weights, the chief's has "
@@ -110,10 +116,12 @@ class KerasWorkerRuntime(WorkerRuntime):
     def _build_variable(self, spec):
         strategy = spec["strategy"]
         with strategy.scope(), strategy.extended.local_variable_creation():
-            variable = keras.Variable(
-                np.zeros(spec["shape"], dtype=spec["dtype"]), dtype=spec["dtype"],
-                trainable=spec["trainable"], name=spec["name"],
-            )
+            # A table the servers hold gets a stand-in (its path is known once created: adopt any).
+            with strategy.extended.adopting_tables([spec["name"]] if spec.get("remote") else ()):
+                variable = keras.Variable(
+                    "zeros" if spec.get("remote") else np.zeros(spec["shape"], dtype=spec["dtype"]),
+                    shape=spec["shape"], dtype=spec["dtype"], trainable=spec["trainable"], name=spec["name"],
+                )
         self._adopt(strategy, variable, spec["keys"], spec["placement"], spec["shape"], spec["dtype"])
         ps_embeddings.mark_variable(variable, strategy.extended.variable_router)
         return variable

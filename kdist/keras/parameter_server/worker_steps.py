@@ -34,6 +34,7 @@ from kdist import faults
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
+from kdist.keras.parameter_server import remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.keras.replica import gradient_merge
 from kdist.ps.optimizer_host import slot_name
@@ -250,7 +251,8 @@ def _wrap_optimizer(optimizer, session):
         session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows if not entry.row_sparse])
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
-        slot = original_add(reference_variable, *args, **kwargs)
+        with remote_tables.slot_of(reference_variable):  # a table the servers hold: so are its slots
+            slot = original_add(reference_variable, *args, **kwargs)
         name = kwargs.get("name", args[0] if args else None)
         # Named as the servers name it (`kdist.ps.optimizer_host.slot_name`):
         # unique per (variable, slot), so two slots of one short name both map.
