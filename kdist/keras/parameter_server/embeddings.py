@@ -143,6 +143,12 @@ class _LookupMode(TorchFunctionMode):
         self._router = router
         self._tables = tables
         self._aliases = {}  # id(tensor) -> (tensor, entry): a table moved or detached this step
+        # Outside a stateless scope a table's tensor is the variable's own, whose
+        # identity lasts (pulls and `RemoteTable.materialise` work in place):
+        # one dict lookup per argument instead of a scan of every table. Inside
+        # one (the replica engine) each replica maps its own tensors: scan.
+        self._stored = {id(tensor): (tensor, entry) for entry in tables
+                        if (tensor := _compat.torch_tensor_of(entry.variable)) is not None}
 
     def _table(self, value):
         if not isinstance(value, torch.Tensor):
@@ -150,6 +156,9 @@ class _LookupMode(TorchFunctionMode):
         alias = self._aliases.get(id(value))
         if alias is not None and alias[0] is value:
             return alias[1]
+        if not _compat.in_stateless_scope():
+            stored = self._stored.get(id(value))
+            return stored[1] if stored is not None and stored[0] is value and stored[1].row_sparse else None
         for entry in self._tables:
             if entry.row_sparse and _current_tensor(entry.variable) is value:
                 return entry
