@@ -22,19 +22,22 @@ Keras ends at 0.059-0.062 (SGD) and 0.032-0.037 (Adagrad) over three
 shuffles. Asynchronous order is nondeterministic (whose push lands first, how
 stale each gradient is), so the sparse and dense runs are not expected to be
 equal, only equally good: the sparse final loss must be within
-`RELATIVE_BAND` (25%) of the dense one, and both below `CONVERGED_FRACTION`
-(10%) of the initial loss. In the calibration runs (see the report of issue
-23) the pairs differed by at most CALIBRATED_MAX and all ended below 4% of
-the initial loss.
+`RELATIVE_BAND` (35%) of the dense one, and both below `CONVERGED_FRACTION`
+(10%) of the initial loss. Calibration, six runs of this module (five on
+Keras 3.15.1, one on 3.16) on the loaded 2-core machine: the 24 sparse/dense
+pairs differed by 0.1-10% except once (19%, a dense Adagrad run), and every
+final loss was below 4% of the initial one.
 
 The check can fail: with `kdist.faults` `dropped_row_gradient` on the servers
 (every sparse apply leaves out its first touched row: about 1 in 8 of a
 push's rows of a shard), the low rows of each shard hardly ever train and the
-sparse SGD run ends about twice as high as its dense twin, well outside the
-band. Lazy Adam (`sparse_updates="lazy"`, different from one device by design)
-has no dense twin to equal; it must end below `LAZY_CONVERGED_FRACTION` (15%)
-of the initial loss (it ends near 6%: untouched rows carry no momentum, so
-rare rows learn more slowly than under dense Adam, which ends near 2.3%).
+sparse SGD run ended 1.7-2.1 times as high as its dense twin in the same six
+runs: outside the band, which sits between the two with a margin of about 2
+either way. Lazy Adam (`sparse_updates="lazy"`, different from one device by
+design) has no dense twin to equal; it must end below
+`LAZY_CONVERGED_FRACTION` (15%) of the initial loss. It ended at 6-7%:
+untouched rows carry no momentum, so rare rows learn more slowly than under
+dense Adam (2.3% in plain Keras).
 """
 
 import json
@@ -54,7 +57,7 @@ from tests.keras.parameter_server import async_rows_main as rows
 
 pytestmark = pytest.mark.timeout(240)
 
-RELATIVE_BAND = 0.25
+RELATIVE_BAND = 0.35
 CONVERGED_FRACTION = 0.10
 LAZY_CONVERGED_FRACTION = 0.15
 WORKERS_TIMEOUT = 180.0
@@ -115,30 +118,29 @@ def _read_back(spec, plan, stats):
 
 
 def _write_spec(tmp_path, plan, spec):
-    path = tmp_path / f"{plan}.json"
+    path = tmp_path / f"{plan}-spec.json"
     path.write_text(json.dumps(spec))
     return f"{plan}={path}"
 
 
 def test_between_graph_sparse_converges_like_dense_and_a_dropped_row_breaks_it(tmp_path, monkeypatch):
-    # The negative control's servers run in this process, so that the fault reaches them;
-    # the other clusters' servers are `kdist server` processes, untouched by it.
+    # Four `kdist server` processes, started together: two serve the exact cluster, two
+    # the lazy one. The faulty cluster's servers run in this process, so that the fault
+    # reaches them and nothing else.
     monkeypatch.setattr(faults.ACTIVE, "dropped_row_gradient", True)
-    for plan in ("exact", "lazy"):
-        (tmp_path / f"{plan}_ps").mkdir()
-    with (_ps.server_processes(2, num_workers=2, tmp_path=tmp_path / "exact_ps") as exact,
-          _ps.server_processes(2, num_workers=2, tmp_path=tmp_path / "lazy_ps") as lazy,
+    with (_ps.server_processes(4, num_workers=2, tmp_path=tmp_path) as processes,
           _ps.in_process_servers(2, num_workers=2) as faulty):
-        clusters = [_write_spec(tmp_path, plan, cluster.spec)
-                    for plan, cluster in (("exact", exact), ("lazy", lazy), ("fault", faulty))]
-        argv = (sys.executable, str(rows.__file__), "--out", str(tmp_path), "--barrier-port", str(harness.free_port()),
-                *[arg for cluster in clusters for arg in ("--cluster", cluster)])
+        clusters = {"exact": _ps.Cluster({**processes.spec, "ps": processes.spec["ps"][:2]}),
+                    "lazy": _ps.Cluster({**processes.spec, "ps": processes.spec["ps"][2:]}),
+                    "fault": faulty}
+        argv = [sys.executable, str(rows.__file__), "--barrier-port", str(harness.free_port())]
+        for plan, cluster in clusters.items():
+            argv += ["--cluster", _write_spec(tmp_path, plan, cluster.spec)]
         specs = [harness.ProcessSpec(f"worker-{index}", (*argv, "--index", str(index)), {})
                  for index in range(rows.NUM_WORKERS)]
         harness.run(specs, timeout=WORKERS_TIMEOUT).check()
-        stats = {plan: cluster.stats() for plan, cluster in (("exact", exact), ("lazy", lazy), ("fault", faulty))}
-        losses = {plan: _read_back(cluster.spec, plan, stats[plan])
-                  for plan, cluster in (("exact", exact), ("lazy", lazy), ("fault", faulty))}
+        stats = {plan: cluster.stats() for plan, cluster in clusters.items()}
+        losses = {plan: _read_back(cluster.spec, plan, stats[plan]) for plan, cluster in clusters.items()}
     initial = _initial_loss()
     report = {"initial": initial, **losses}
     print("losses", json.dumps(report))
@@ -149,8 +151,8 @@ def test_between_graph_sparse_converges_like_dense_and_a_dropped_row_breaks_it(t
     assert converges_like_dense(adagrad_sparse, adagrad_dense, initial) == [], report
     (lazy_adam,) = losses["lazy"]
     assert lazy_adam < LAZY_CONVERGED_FRACTION * initial, report
-    # The faulty servers trained the same SGD model in the same job, beside the others:
-    # the same dense reference applies, and the band is what the fault breaks.
+    # The same two workers trained the same SGD model on the faulty servers, right after
+    # the others: the same dense reference applies, and the band is what the fault breaks.
     (faulty_sparse,) = losses["fault"]
     failures = converges_like_dense(faulty_sparse, sgd_dense, initial)
     assert any("not within" in failure for failure in failures), (failures, report)
