@@ -1,14 +1,16 @@
-"""`VariableClient`'s calls: one deadline for all attempts, retries on UNAVAILABLE, a watchdog."""
+"""`VariableClient`'s calls: one deadline for all attempts, retries on UNAVAILABLE and refused slots, a watchdog."""
 
 import itertools
+import random
 import time
 from collections.abc import Iterator
 
 import grpc
 
-from kdist.errors import ParameterServerUnavailableError
+from kdist.errors import ParameterServerError, ParameterServerUnavailableError
 from kdist.ps.methods import METHODS
 from kdist.ps.status import client_error
+from kdist.ps.stream_guard import SLOT_REFUSED_KEY
 from kdist.ps.watchdog import GRACE_SECONDS, CallCancelled, watched_call
 
 # gRPC's own retry policy is off: with it on, a pull stream in flight when its
@@ -20,10 +22,21 @@ from kdist.ps.watchdog import GRACE_SECONDS, CallCancelled, watched_call
 # repeat are retried: every one but a push or assign without an `update_id`.
 MAX_ATTEMPTS = 5
 RETRY_BACKOFF_SECONDS = (0.1, 1.0)  # (initial, max); doubles at each retry
+# A server that had no stream slot free refuses a call before reading any of
+# it (`RESOURCE_EXHAUSTED` with the trailing metadata `SLOT_REFUSED_KEY`,
+# `kdist.ps.stream_guard`): the job's own concurrency (many workers, or many
+# threads of one) outgrew the server's slots for a moment. Such a call is sent
+# again, any call (a push without an update id too: nothing of it was applied),
+# as often as its deadline allows, after a jittered backoff drawn from
+# [b/2, b], with b doubling from the first value to the second: refused
+# callers spread out instead of coming back together. Other `RESOURCE_EXHAUSTED`
+# answers (a message over the size limit, the server's memory or disk full)
+# are never retried.
+SLOT_BACKOFF_SECONDS = (0.01, 0.5)
 
 
 def call(client, name, request, read=None, timeout=None, wait_for_ready=None, retry=True):
-    """Runs one call, retried on UNAVAILABLE while `retry` and time allow.
+    """Runs one call, retried on UNAVAILABLE while `retry` and time allow, and on a refused slot.
 
     `request` is a message, or a function returning a fresh request stream
     (a stream is consumed by the attempt that sends it). The whole call,
@@ -35,7 +48,8 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
         deadline += client.options.connect_timeout_seconds
     started = time.monotonic()
     backoff = RETRY_BACKOFF_SECONDS[0]
-    attempt = 1
+    slot_backoff = SLOT_BACKOFF_SECONDS[0]
+    attempt, slot_refusals = 1, 0
     while True:
         remaining = started + deadline - time.monotonic()
         try:
@@ -43,6 +57,13 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
             break
         except grpc.RpcError as error:
             elapsed = time.monotonic() - started
+            if _slot_refused(error):
+                slot_refusals += 1
+                delay = random.uniform(slot_backoff / 2, slot_backoff)
+                if elapsed + delay < deadline and not client._closed.wait(delay):
+                    slot_backoff = min(2 * slot_backoff, SLOT_BACKOFF_SECONDS[1])
+                    continue
+                raise _slot_error(client, error, slot_refusals, elapsed, deadline) from None
             if (retry and attempt < MAX_ATTEMPTS and _code(error) == grpc.StatusCode.UNAVAILABLE
                     and elapsed + backoff < deadline and not client._closed.wait(backoff)):
                 attempt += 1
@@ -78,6 +99,22 @@ def _single_or_stream(messages):
     if second is None:
         return first
     return itertools.chain((first, second), messages)
+
+
+def _slot_refused(error):
+    """True for a refusal for want of a stream slot (never a memory or size refusal)."""
+    if _code(error) != grpc.StatusCode.RESOURCE_EXHAUSTED or not hasattr(error, "trailing_metadata"):
+        return False
+    return any(key == SLOT_REFUSED_KEY for key, _ in error.trailing_metadata() or ())
+
+
+def _slot_error(client, error, refusals, elapsed, deadline):
+    detail = error.details() if hasattr(error, "details") else str(error)
+    return ParameterServerError(
+        client.address, grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+        f"{detail or ''} The call was refused {refusals} times in {elapsed:.1f} s and its "
+        f"deadline ({deadline:g} s) left no time to wait longer; if the server is busy with "
+        "the job's own calls, raise ServiceOptions.max_workers (server) or rpc_timeout_seconds.")
 
 
 def _code(error):

@@ -30,9 +30,10 @@ DEFAULT_MAX_WORKERS = 16
 # calls (`Health`, `Stats`, `ConfigureOptimizer`, `Save`) always find one even
 # when every stream slot is taken by a client that stalls.
 RESERVED_UNARY_THREADS = 4
-# One channel (one `context.peer()`) may hold this many streams at once: a
+# One client (one `VariableClient`: its authenticated session; without the
+# cluster secret, its connection) may hold this many streams at once: a
 # worker's client runs a few calls at a time, and one greedy or stalled
-# channel then cannot take every stream slot of the server.
+# client then cannot take every stream slot of the server.
 DEFAULT_MAX_STREAMS_PER_PEER = 8
 # A stream that neither delivers a request message nor accepts a response
 # message for this long is cancelled: a healthy client sends its next 1 MiB
@@ -62,12 +63,17 @@ class ServiceOptions:
         max_concurrent_streams: server side: streaming calls (every method
             but the unary ones: `Health`, `Stats`, `ConfigureOptimizer`,
             `Save`, `Restore`) served at once; more are refused at once with
-            `RESOURCE_EXHAUSTED`. Must be below `max_workers`, so that unary
-            calls always find a thread. None: `max_workers` minus
+            `RESOURCE_EXHAUSTED` before any of their request is read, and
+            kdist's clients send them again after a jittered backoff within
+            the call's deadline (`rpc_timeout_seconds`), so the job's own
+            load waits rather than fails. Must be below `max_workers`, so that
+            unary calls always find a thread. None: `max_workers` minus
             `RESERVED_UNARY_THREADS` (at most half of them).
-        max_streams_per_peer: server side: streaming calls one peer (one
-            client channel) may have open at once; more are refused with
-            `RESOURCE_EXHAUSTED`. Capped at `max_concurrent_streams`.
+        max_streams_per_peer: server side: streaming calls one client may
+            have open at once (a client is one `VariableClient`, told apart
+            by its authenticated session even when a process's channels share
+            one connection; without the cluster secret, one connection); more
+            are refused and retried as above. Capped at `max_concurrent_streams`.
         stream_idle_seconds: server side: a streaming call that waits this
             long for its client (no request message arrives, or a response
             message is not taken) is cancelled, freeing its thread.

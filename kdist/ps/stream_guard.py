@@ -8,10 +8,19 @@ holds its thread forever. Two rules keep the server answering everyone,
 - **Slots.** A streaming call (every method with a request or response stream)
   takes a slot when it starts and gives it back when it ends. At most
   `ServiceOptions.stream_limit` slots exist, fewer than the server's threads,
-  so unary calls always find a thread; one peer (`context.peer()`: one client
-  channel) holds at most `ServiceOptions.peer_stream_limit` of them. A call
-  that finds no slot is refused at once with `RESOURCE_EXHAUSTED` naming the
-  bound; it never waits, because waiting would hold a thread.
+  so unary calls always find a thread; one client holds at most
+  `ServiceOptions.peer_stream_limit` of them. A client is its authenticated
+  session (`kdist.ps.auth`: each `VariableClient` says hello once, so the
+  channels of one process, which gRPC multiplexes over one connection, are
+  counted apart); a call without a session (a server without the cluster
+  secret) is counted by its connection (`context.peer()`). A call that finds
+  no slot is refused at once with `RESOURCE_EXHAUSTED` naming the bound and
+  the trailing metadata `SLOT_REFUSED_KEY`; it never waits here, because a
+  waiting call would hold one of the threads kept for unary calls. Nothing of
+  a refused call's request has been read, so kdist's client sends it again
+  after a jittered backoff, within the call's deadline
+  (`kdist.ps.client_retry`); a memory or disk shortage, also
+  `RESOURCE_EXHAUSTED`, carries no such metadata and is not retried.
 - **Idle timeout.** While a call waits for its client — for the next request
   message, or for the client to take a response message — it is *waiting*.
   A call waiting longer than `ServiceOptions.stream_idle_seconds` is cancelled
@@ -25,9 +34,28 @@ import threading
 import time
 
 from kdist.errors import KdistError
+from kdist.ps.auth import SESSION_KEY
 from kdist.ps.status import ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
+
+# Trailing metadata of a refusal for want of a slot; its value names the bound
+# ("client" or "server"). The client retries exactly these refusals: the
+# request was never read, so even a push without an update id is safe to resend.
+SLOT_REFUSED_KEY = "kdist-slot-refused"
+
+
+class StreamSlotRefusedError(ResourceExhaustedError):
+    """No stream slot was free for a call (`RESOURCE_EXHAUSTED`); nothing of it was read.
+
+    Attributes:
+        bound: `"client"` (the caller's own calls hold every slot one client
+            may hold) or `"server"` (every slot of the server is taken).
+    """
+
+    def __init__(self, message, bound):
+        super().__init__(message)
+        self.bound = bound
 
 
 class StreamCancelledError(KdistError, ConnectionError):
@@ -37,11 +65,12 @@ class StreamCancelledError(KdistError, ConnectionError):
 class GuardedCall:
     """One admitted streaming call. `waiting_since` is set while it waits for its client."""
 
-    __slots__ = ("method", "peer", "context", "waiting_since", "idle_cancelled", "released")
+    __slots__ = ("method", "peer", "owner", "context", "waiting_since", "idle_cancelled", "released")
 
-    def __init__(self, method, peer, context):
+    def __init__(self, method, peer, owner, context):
         self.method = method
-        self.peer = peer
+        self.peer = peer  # the connection's address, for messages
+        self.owner = owner  # what the per-client bound counts (`client_key`)
         self.context = context
         self.waiting_since = None  # time.monotonic() when it began to wait; None: working
         self.idle_cancelled = False
@@ -56,7 +85,7 @@ class StreamGuard:
 
     Args:
         stream_limit: slots in all.
-        peer_limit: slots one peer may hold.
+        peer_limit: slots one client (`client_key`) may hold.
         idle_seconds: how long a call may wait for its client.
 
     Example:
@@ -91,39 +120,51 @@ class StreamGuard:
     def admit(self, method, context):
         """Admits a call of `method` (a name, for messages) or refuses it.
 
+        A refusal also sets the trailing metadata `SLOT_REFUSED_KEY` on
+        `context`, which tells the client it may send the call again.
+
         Returns:
             The call's `GuardedCall`; `release` it when the call ends. It is
             also released when gRPC ends the call (a callback on `context`).
 
         Raises:
-            ResourceExhaustedError: every slot, or every slot of this peer, is taken.
+            StreamSlotRefusedError: every slot, or every slot of this client, is taken.
         """
-        peer = context.peer()
+        peer, owner = context.peer(), client_key(context)
         with self._condition:
-            held = self._per_peer.get(peer, 0)
+            held = self._per_peer.get(owner, 0)
             if len(self._calls) >= self.stream_limit or held >= self.peer_limit:
                 self.num_refused += 1
-                if held >= self.peer_limit:
-                    bound = (f"{held} streaming calls from this peer, the most one peer may "
-                             f"have open (ServiceOptions.max_streams_per_peer={self.peer_limit})")
-                else:
-                    bound = (f"{len(self._calls)} streaming calls, the most this server serves "
-                             f"at once (ServiceOptions.max_concurrent_streams="
-                             f"{self.stream_limit})")
-                raise ResourceExhaustedError(
-                    f"Too many concurrent streams: {method} refused. Received: {bound} "
-                    "already open. Retry when some have finished, or raise the bound."
-                )
-            call = GuardedCall(method, peer, context)
-            self._calls.add(call)
-            self._per_peer[peer] = held + 1
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                                  name="kdist-ps-stream-guard")
-                self._watchdog.start()
+                refusal = self._refusal(method, held)
+            else:
+                refusal = None
+                call = GuardedCall(method, peer, owner, context)
+                self._calls.add(call)
+                self._per_peer[owner] = held + 1
+                if self._watchdog is None:
+                    self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                                      name="kdist-ps-stream-guard")
+                    self._watchdog.start()
+        if refusal is not None:
+            context.set_trailing_metadata(((SLOT_REFUSED_KEY, refusal.bound),))
+            raise refusal
         if not context.add_callback(lambda: self.release(call)):
             self.release(call)  # the call has already ended
         return call
+
+    def _refusal(self, method, held):
+        if held >= self.peer_limit:
+            bound = "client"
+            text = (f"{held} streaming calls from this client, the most one client may "
+                    f"have open (ServiceOptions.max_streams_per_peer={self.peer_limit})")
+        else:
+            bound = "server"
+            text = (f"{len(self._calls)} streaming calls, the most this server serves "
+                    f"at once (ServiceOptions.max_concurrent_streams={self.stream_limit})")
+        return StreamSlotRefusedError(
+            f"Too many concurrent streams: {method} refused before its request was read. "
+            f"Received: {text} already open. kdist clients retry within the call's deadline; "
+            "raise the bound (or rpc_timeout_seconds) if this persists.", bound)
 
     def release(self, call):
         """Gives `call`'s slot back; a second release does nothing."""
@@ -132,9 +173,9 @@ class StreamGuard:
                 return
             call.released = True
             self._calls.discard(call)
-            left = self._per_peer.pop(call.peer) - 1
+            left = self._per_peer.pop(call.owner) - 1
             if left:
-                self._per_peer[call.peer] = left
+                self._per_peer[call.owner] = left
             self._condition.notify_all()
 
     def requests(self, call, iterator):
@@ -202,3 +243,20 @@ class StreamGuard:
                 # idle_seconds from now, so this wait is never late; a release
                 # wakes it early to end the thread when no call is left.
                 self._condition.wait(next_check)
+
+
+def client_key(context):
+    """What the per-client bound counts a call against: its session, else its connection.
+
+    The server's authenticator (`kdist.ps.auth.ServerAuthenticator`) has
+    checked a call's session and proof before any handler runs, so a session
+    here is one that a holder of the cluster secret opened: one
+    `VariableClient`; a call without one is counted by its connection.
+    Without the secret a session is not checked: a client that forges them
+    gains no more than one that opens more connections, which it may anyway.
+    The server-wide bound is the one that holds against every client.
+    """
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_KEY:
+            return f"session {value}"
+    return context.peer()
