@@ -23,16 +23,16 @@ shuffles. Asynchronous order is nondeterministic (whose push lands first, how
 stale each gradient is), so the sparse and dense runs are not expected to be
 equal, only equally good: the sparse final loss must be within
 `RELATIVE_BAND` (35%) of the dense one, and both below `CONVERGED_FRACTION`
-(10%) of the initial loss. Calibration, six runs of this module (five on
-Keras 3.15.1, one on 3.16) on the loaded 2-core machine: the 24 sparse/dense
+(10%) of the initial loss. Calibration, eight runs of this module (six on
+Keras 3.15.1, two on 3.16) on the loaded 2-core machine: the 32 sparse/dense
 pairs differed by 0.1-10% except once (19%, a dense Adagrad run), and every
 final loss was below 4% of the initial one.
 
 The check can fail: with `kdist.faults` `dropped_row_gradient` on the servers
 (every sparse apply leaves out its first touched row: about 1 in 8 of a
 push's rows of a shard), the low rows of each shard hardly ever train and the
-sparse SGD run ended 1.7-2.1 times as high as its dense twin in the same six
-runs: outside the band, which sits between the two with a margin of about 2
+sparse SGD run ended 1.7-2.1 times as high as its dense twin in the same
+eight runs: outside the band, which sits between the two with a margin of about 2
 either way. Lazy Adam (`sparse_updates="lazy"`, different from one device by
 design) has no dense twin to equal; it must end below
 `LAZY_CONVERGED_FRACTION` (15%) of the initial loss. It ended at 6-7%:
