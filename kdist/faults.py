@@ -75,6 +75,11 @@ class FaultInjection:
             first touched row's gradient twice.
         unsummed_duplicate_ids: a parameter server's sparse row update keeps
             one occurrence of a repeated id instead of summing them.
+        unskipped_resume_steps: a `fit` resumed from a mid-epoch
+            `BackupAndRestore` backup trains the resumed epoch's steps that
+            the backup already holds again (Keras' own behaviour).
+        resume_without_iterations: a resumed `fit` restores the optimizer's
+            slots but starts its `iterations` counter again from 0.
     """
 
 
@@ -101,6 +106,8 @@ class FaultInjection:
     dropped_row_gradient: bool = False
     row_applied_twice: bool = False
     unsummed_duplicate_ids: bool = False
+    unskipped_resume_steps: bool = False
+    resume_without_iterations: bool = False
 
 
 ACTIVE = FaultInjection()

@@ -21,7 +21,7 @@ import functools
 from kdist import faults
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, adapters, resume_shuffle, sync_batchnorm, tensorboard, tensorboard_redirect
+from kdist.keras import _compat, adapters, resume_shuffle, step_resume, sync_batchnorm, tensorboard, tensorboard_redirect
 from kdist.keras.parameter_server import adapter as parameter_server_adapter
 from kdist.keras.replica import adapter as replica_adapter
 from kdist.keras.replica import multi_worker
@@ -75,6 +75,7 @@ def install():
     def epoch_iterable(epoch_iterator, make_iterable):
         # No-ops unless a kdist model's fit (or a multi-worker call) runs in this thread.
         resume_shuffle.align(epoch_iterator)
+        step_resume.watch(epoch_iterator)
         return multi_worker.synchronised_iterable(epoch_iterator, make_iterable())
 
     def on_variable_created(variable):
@@ -167,7 +168,7 @@ def _scoped(model, name):
             )
         if name != "fit":
             return call(self, strategy, args, kwargs)
-        with resume_shuffle.fit_call(self):
+        with resume_shuffle.fit_call(self), step_resume.fit_call(self, strategy, method, args, kwargs):
             return call(self, strategy, args, kwargs)
 
     def call(self, strategy, args, kwargs):
