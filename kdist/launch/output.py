@@ -109,6 +109,9 @@ READ_BYTES = 1 << 17
 _FRESH = "fresh"  # Nothing of it written yet (start, or after "\n").
 _RETURNED = "returned"  # Content written, then "\r": the next content overwrites it.
 _INLINE = "inline"  # Content written since the prefix.
+# Content written, then the sink ended the line for another writer: the writer's
+# own "\n" that follows ends nothing more (no empty line under its prefix).
+_INTERRUPTED = "interrupted"
 
 # A token is a newline, a carriage return, a backspace (Keras' Progbar writes
 # backspaces before its "\r") or a run of anything else.
@@ -156,22 +159,25 @@ class PrefixedSink:
             pieces = []
             if self._open not in (None, prefix):
                 pieces.append("\n")
-                self._states[self._open] = _FRESH
+                self._states[self._open] = _INTERRUPTED
             state = self._states.get(prefix, _FRESH)
             for match in _TOKENS.finditer(text):
                 token = match.group()
                 if token == "\n":
+                    if state == _INTERRUPTED:
+                        state = _FRESH
+                        continue  # The sink already ended this line.
                     if state == _FRESH:
                         pieces.append(prefix)  # An empty line still names its writer.
                     state = _FRESH
                 elif token == "\r":
-                    state = _FRESH if state == _FRESH else _RETURNED
+                    state = state if state in (_FRESH, _INTERRUPTED) else _RETURNED
                 elif token != "\x08" and state != _INLINE:
                     pieces.append(prefix)
                     state = _INLINE
                 pieces.append(token)
             self._states[prefix] = state
-            self._open = None if state == _FRESH else prefix
+            self._open = None if state in (_FRESH, _INTERRUPTED) else prefix
             self._emit("".join(pieces))
 
     def end(self, prefix):

@@ -8,6 +8,10 @@ Three modes, exactly one per launch:
 - `--workers N [--ps K] [--chief] [--evaluator]`: a whole `TF_CONFIG` cluster on
   this host, every task on a free port of 127.0.0.1.
 
+`--max-restarts K` (synchronous jobs: `--nproc`, or `--workers` without `--ps`)
+restarts the whole job from specs built again by `build_specs`, so a new
+rendezvous port or local cluster (`job_restart`).
+
 Every check happens here, before anything starts; a mistake raises `UsageError`
 naming the command-line argument.
 """
@@ -19,6 +23,7 @@ import sys
 from kdist.errors import InvalidArgumentError
 from kdist.launch import cluster_file, task_env
 from kdist.launch.ports import free_ports
+from kdist.launch.restarts import JobRestart
 from kdist.launch.spec import ProcessSpec, RestartPolicy
 
 LOCAL_HOST = "127.0.0.1"
@@ -92,6 +97,7 @@ def _check_mode_options(args, mode):
         "--evaluator": (args.evaluator, ("--workers", "--ps")),
         "--daemon-jobs": (args.daemon_jobs is not None, ("--cluster", "--workers", "--ps")),
         "--max-worker-restarts": (args.max_worker_restarts is not None, ("--workers", "--ps")),
+        "--max-restarts": (bool(args.max_restarts), ("--nproc", "--workers")),
     }
     for argument, (given, modes) in only.items():
         if given and mode not in modes:
@@ -100,6 +106,13 @@ def _check_mode_options(args, mode):
             )
     if mode == "--ps":
         raise UsageError("--ps", "needs --workers N: a parameter-server cluster needs workers.")
+    if args.max_restarts and args.ps:
+        raise UsageError(
+            "--max-restarts",
+            "restarts a synchronous job (--nproc, or --workers without --ps); with --ps the "
+            "parameter servers hold the job's state, and a restart would lose it. For "
+            "coordinator training use --max-worker-restarts.",
+        )
     if mode == "--cluster" and not args.task:
         raise UsageError(
             "--task",
@@ -204,6 +217,18 @@ def _worker_restart(args, workers_only_serve):
     if num_restarts == 0:
         return None
     return RestartPolicy(num_restarts, FIRST_RESTART_DELAY_SECONDS)
+
+
+def job_restart(args, make_specs):
+    """The `JobRestart` that `--max-restarts K` asks for (None for 0, the default).
+
+    Args:
+        args: the parsed arguments (already checked by `build_specs`).
+        make_specs: callable returning the restarted job's `ProcessSpec`s.
+    """
+    if not args.max_restarts:
+        return None
+    return JobRestart(args.max_restarts, make_specs, FIRST_RESTART_DELAY_SECONDS)
 
 
 def runs_part_of_a_cluster(args):

@@ -18,6 +18,10 @@ started again after the policy's delay instead (the same command and
 environment); that failure is not the set's. A stop request, a failure, or the
 end of every non-daemon process cancels pending restarts (those exits then do
 not count). Once its restarts are used, its next failure is a failure (rule 2).
+
+With a `JobRestarter` (`kdist launch --max-restarts`), a failure while job
+restarts are left stops every process and starts them all again instead
+(`kdist.launch.restarts`); a stop request cancels it.
 """
 
 import signal
@@ -36,9 +40,14 @@ class StopPolicy:
         announce: callable taking one message for the user.
         respawn: callable taking a `child.Child` to start again; it may raise
             OSError. Needed only for specs with a `RestartPolicy`.
+        job_restarter: a `restarts.JobRestarter` to restart the whole set after
+            a failure, or None.
     """
 
-    def __init__(self, grace_seconds, kill_after_seconds, announce, respawn=None):
+    def __init__(
+        self, grace_seconds, kill_after_seconds, announce, respawn=None, job_restarter=None
+    ):
+        self._job = job_restarter
         self.grace_seconds = grace_seconds
         self.kill_after_seconds = kill_after_seconds
         self._announce = announce
@@ -65,8 +74,11 @@ class StopPolicy:
         """Decides whether `ended` (a child that just exited) is restarted.
 
         Sets `ended.restart_at` when it is (and says so); `apply` starts it
-        once that time has come.
+        once that time has come. With a job restarter, it decides first.
         """
+        if self._job is not None and self._stop_request is None:
+            if self._job.on_exit(children, ended, now):
+                return
         restart = ended.spec.restart
         if restart is None or ended.returncode == 0 or ended.stopped:
             return
@@ -94,8 +106,12 @@ class StopPolicy:
             When the next signal or restart will be due, or None if nothing is pending.
         """
         if self._stop_request is not None:
+            if self._job is not None:
+                self._job.cancel(children)
             _cancel_restarts(children)
             return self._apply_stop(children, now)
+        if self._job is not None and self._job.pending:
+            return self._job.apply(children, now)
         if any(c.failed for c in children):
             _cancel_restarts(children)
         wake_times = [self._apply_restarts(children, now)]

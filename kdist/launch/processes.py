@@ -4,7 +4,8 @@ The stop policy (`kdist.launch.policy`), applied by `wait()` and `poll()`: the
 first failure's exit code is the set's; after it the other processes get
 `grace_seconds`, then their stacks are dumped (SIGABRT + faulthandler) and they
 are killed; daemons (parameter servers) are stopped once the others ended; a
-spec with a `RestartPolicy` is restarted instead of failing while it has restarts.
+spec with a `RestartPolicy` is restarted instead of failing while it has restarts;
+with a `JobRestart`, a failure restarts every process (`kdist.launch.restarts`).
 `wait(timeout)` past its deadline dumps the stacks of everything still running,
 kills it and raises `ProcessSetTimeout` naming it. After the first failure only
 its output and the stack dumps are echoed; the others' goes to their logs.
@@ -20,35 +21,22 @@ import signal
 import threading
 import time
 
-from kdist.errors import InvalidArgumentError, KdistError
+from kdist.errors import InvalidArgumentError
 from kdist.launch import child, output
 from kdist.launch.child import DRAIN_SECONDS
 from kdist.launch.policy import StopPolicy, signal_all
-from kdist.launch.spec import ProcessSpec, describe_returncode
+from kdist.launch.restarts import JobRestart, JobRestarter  # noqa: F401  (re-exported)
+from kdist.launch.spec import (
+    ProcessSetStateError,
+    ProcessSetTimeout,
+    ProcessSpec,
+    describe_returncode,
+)
 
-__all__ = ["ProcessSet", "ProcessSetStateError", "ProcessSetTimeout", "ProcessSpec"]
+__all__ = ["JobRestart", "ProcessSet", "ProcessSetStateError", "ProcessSetTimeout", "ProcessSpec"]
 
 # How long to wait for the kernel to reap a process after SIGKILL.
 REAP_SECONDS = 5.0
-
-
-class ProcessSetTimeout(KdistError, TimeoutError):
-    """`ProcessSet.wait` reached its deadline with processes still running.
-
-    Not retryable: a hang is a bug to find in the stacks, which were printed to
-    each process's stderr (see `ProcessSet.output`).
-
-    Attributes:
-        running: names of the processes that were still running.
-    """
-
-    def __init__(self, message, running):
-        super().__init__(message)
-        self.running = tuple(running)
-
-
-class ProcessSetStateError(KdistError, RuntimeError):
-    """A `ProcessSet` method was called in the wrong state (e.g. `start` twice)."""
 
 
 class ProcessSet:
@@ -69,6 +57,8 @@ class ProcessSet:
         keep_lines: lines kept in memory per process (None: all).
         log_dir: if given, each process's output is also written to `<name>.log` there.
         core_dumps: False (default) sets the children's soft core-file limit to 0.
+        job_restart: a `JobRestart`: after a failure, stop every process and start
+            them all again (from `job_restart.make_specs()`), up to its `max_restarts`.
 
     Example:
         ```python
@@ -93,6 +83,7 @@ class ProcessSet:
         keep_lines=None,
         log_dir=None,
         core_dumps=False,
+        job_restart=None,
     ):
         if grace_seconds < 0 or kill_after_seconds < 0:
             raise InvalidArgumentError(
@@ -116,8 +107,13 @@ class ProcessSet:
         self._started = False
         self._exits = 0
         self._preexec = None
+        restarter = None
+        if job_restart is not None:
+            restarter = JobRestarter(
+                job_restart, self.kill_after_seconds, self._announce, self._respawn
+            )
         self._policy = StopPolicy(
-            self.grace_seconds, self.kill_after_seconds, self._announce, self._respawn
+            self.grace_seconds, self.kill_after_seconds, self._announce, self._respawn, restarter
         )
         for spec in specs:
             self.add(spec)

@@ -1,10 +1,10 @@
-"""`ProcessSpec`, what one process of a `ProcessSet` runs, its `RestartPolicy`, and how its
-exit is described."""
+"""`ProcessSpec`, what one process of a `ProcessSet` runs, its `RestartPolicy`, how its
+exit is described, and the errors of a `ProcessSet`."""
 
 import dataclasses
 import signal
 
-from kdist.errors import InvalidArgumentError
+from kdist.errors import InvalidArgumentError, KdistError
 
 
 # Backoff before a restart: first_delay_seconds, then doubling, at most this.
@@ -103,3 +103,22 @@ def describe_returncode(returncode):
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+class ProcessSetTimeout(KdistError, TimeoutError):
+    """`ProcessSet.wait` reached its deadline with processes still running.
+
+    Not retryable: a hang is a bug to find in the stacks, which were printed to
+    each process's stderr (see `ProcessSet.output`).
+
+    Attributes:
+        running: names of the processes that were still running.
+    """
+
+    def __init__(self, message, running):
+        super().__init__(message)
+        self.running = tuple(running)
+
+
+class ProcessSetStateError(KdistError, RuntimeError):
+    """A `ProcessSet` method was called in the wrong state (e.g. `start` twice)."""
