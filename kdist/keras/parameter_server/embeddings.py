@@ -179,7 +179,8 @@ class _LookupMode(TorchFunctionMode):
             if entry is not None and dim == 0:
                 return self._lookup(entry, args[0], args[2] if len(args) > 2 else kwargs["index"])
         if name not in _METADATA:
-            used = [entry for value in _flat(args, kwargs) if (entry := self._table(value)) is not None]
+            arguments = remote_tables.flat_arguments(args, kwargs)
+            used = [entry for value in arguments if (entry := self._table(value)) is not None]
             if used:
                 if name in _ALIASES:
                     result = func(*args, **kwargs)
@@ -213,14 +214,6 @@ class _LookupMode(TorchFunctionMode):
 def _current_tensor(variable):
     # The replica's mapping in a stateless scope; else the stored tensor (no autocast copy).
     return variable.value if _compat.in_stateless_scope() else _compat.torch_tensor_of(variable)
-
-
-def _flat(args, kwargs):
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
 
 
 def _who(entry):

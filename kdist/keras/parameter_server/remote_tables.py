@@ -74,11 +74,12 @@ class RemoteTable(torch.nn.Parameter):
         name = getattr(func, "__name__", "")
         if name == "__get__":
             name = "data" if getattr(getattr(func, "__self__", None), "__name__", "") in _DATA_PROPERTIES else "__get__"
-        tables = [value for value in _flat(args, kwargs) if isinstance(value, RemoteTable)]
+        tables = [value for value in flat_arguments(args, kwargs) if isinstance(value, RemoteTable)]
         if name in _METADATA or name == "__get__" or getattr(_local, "in_lookups", False) or not tables:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if any(isinstance(value, torch.Tensor) and value.device.type == "meta" for value in _flat(args, kwargs)):
+        if any(isinstance(value, torch.Tensor) and value.device.type == "meta"
+               for value in flat_arguments(args, kwargs)):
             # Keras traces shapes on the meta device: no values needed.
             stand_ins = {id(table): torch.empty(table.shape, dtype=table.dtype, device="meta") for table in tables}
             return func(*_replace(args, stand_ins), **_replace(kwargs, stand_ins))
@@ -173,26 +174,24 @@ def of(variable):
     return tensor if isinstance(tensor, RemoteTable) else None
 
 
-@contextlib.contextmanager
 def slot_of(reference_variable):
     """Marks the optimizer slot variables created inside as slots of `reference_variable`."""
-    outer = getattr(_local, "slot_reference", None)
-    _local.slot_reference = reference_variable
-    try:
-        yield
-    finally:
-        _local.slot_reference = outer
+    return _thread_setting("slot_reference", reference_variable, None)
+
+
+def in_lookups():
+    """While a step's lookups are tracked (`embeddings.row_lookups`): stand-ins pass through untouched."""
+    return _thread_setting("in_lookups", True, False)
 
 
 @contextlib.contextmanager
-def in_lookups():
-    """While a step's lookups are tracked (`embeddings.row_lookups`): stand-ins pass through untouched."""
-    outer = getattr(_local, "in_lookups", False)
-    _local.in_lookups = True
+def _thread_setting(name, value, default):
+    outer = getattr(_local, name, default)
+    setattr(_local, name, value)
     try:
         yield
     finally:
-        _local.in_lookups = outer
+        setattr(_local, name, outer)
 
 
 def _refuse_gradient(variable):
@@ -206,7 +205,8 @@ def _refuse_gradient(variable):
     return hook
 
 
-def _flat(args, kwargs):
+def flat_arguments(args, kwargs):
+    """The tensors (and other values) of a torch call's arguments, one level of lists opened."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, (list, tuple)):
             yield from value
