@@ -21,7 +21,8 @@ import functools
 from kdist import faults
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError, StrategyScopeError
-from kdist.keras import _compat, adapters, resume_shuffle, step_resume, sync_batchnorm, tensorboard, tensorboard_redirect
+from kdist.keras import _compat, adapters, resume_shuffle, step_resume, sync_batchnorm, tensorboard
+from kdist.keras import tensorboard_redirect
 from kdist.keras.parameter_server import adapter as parameter_server_adapter
 from kdist.keras.replica import adapter as replica_adapter
 from kdist.keras.replica import multi_worker

@@ -1,6 +1,6 @@
-"""A `fit` resumed by `BackupAndRestore` shuffles arrays as the uninterrupted `fit` would have.
+"""A `fit` resumed by `BackupAndRestore` shuffles arrays and `PyDataset`s as the uninterrupted `fit` would have.
 
-Keras 3.16 seeds the shuffle of array inputs with its data adapter's epoch
+Keras 3.16 seeds the shuffle of array and `PyDataset` inputs with its data adapter's epoch
 counter, which starts again in every `fit` call. A `fit` that
 `BackupAndRestore` resumes at epoch 2 would then shuffle epoch 2 like epoch 0
 and end with other weights than a run that was never interrupted. For models
@@ -14,6 +14,7 @@ import contextlib
 import threading
 
 from kdist.keras import _compat
+from kdist.keras._compat import callbacks as compat_callbacks
 
 _local = threading.local()
 
@@ -52,4 +53,5 @@ def align(epoch_iterator):
     restored_epoch = _compat.take_initial_epoch(fit.model, 0)
     if epoch_iterator is fit.iterator and restored_epoch:
         _compat.advance_shuffle_epoch(epoch_iterator, restored_epoch)
+        compat_callbacks.advance_py_dataset_epoch(epoch_iterator, restored_epoch)
         fit.aligned = True

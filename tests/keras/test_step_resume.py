@@ -114,7 +114,8 @@ def test_killed_rank_relaunched_job_equals_the_uninterrupted_run(tmp_path):
     saved = metadata["epoch"] * run.STEPS_PER_EPOCH + metadata["kdist_step"]["steps"]
     assert 0 < saved <= kill_after + 1 and metadata["kdist_step"]["steps"] > 0
 
-    relaunched = harness.run(harness.python_specs(harness.torchrun_envs(2), script, "--dir", str(tmp_path)), timeout=120)
+    specs = harness.python_specs(harness.torchrun_envs(2), script, "--dir", str(tmp_path))
+    relaunched = harness.run(specs, timeout=120)
     relaunched.check()
     resumed_line = re.findall(r"\[kdist\] resumed from backup .*", relaunched.output("worker-0"))
     assert resumed_line == [f"[kdist] resumed from backup {tmp_path / 'backup'}: epoch {metadata['epoch']}, "

@@ -4,6 +4,7 @@ import collections
 
 import keras
 from keras.src.trainers import epoch_iterator as _epoch_iterator_module
+from keras.src.trainers.data_adapters import py_dataset_adapter as _py_dataset_adapter_module
 
 PINNED = {
     "BackupAndRestore._weights_path": lambda: _probe_backup()._weights_path,
@@ -80,7 +81,18 @@ PINNED.update({
     "BackupAndRestore._batches_seen_since_last_saving": lambda: _probe_backup()._batches_seen_since_last_saving,
     "EpochIterator._enumerate_iterator": lambda: _epoch_iterator_module.EpochIterator._enumerate_iterator,
     "Trainer._get_metrics_result_or_logs": lambda: keras.Model._get_metrics_result_or_logs,
+    "PyDatasetAdapter": lambda: _py_dataset_adapter_module.PyDatasetAdapter,
 })
+
+
+def advance_py_dataset_epoch(epoch_iterator, epochs):
+    """Moves a `PyDataset` adapter's shuffle seed on by `epochs` (Keras >= 3.16 seeds it by its epoch count).
+
+    The array adapter's twin is `kdist.keras._compat.advance_shuffle_epoch`.
+    """
+    adapter = epoch_iterator.data_adapter
+    if isinstance(adapter, _py_dataset_adapter_module.PyDatasetAdapter) and hasattr(adapter, "_epoch"):
+        adapter._epoch += epochs
 
 
 def skip_epoch_steps(epoch_iterator, take_skip):
