@@ -33,6 +33,7 @@ from kdist.coordinator import register_describer
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
+from kdist.keras.parameter_server import remote_tables
 
 
 def _is_ps_strategy(obj):
@@ -99,7 +100,8 @@ def _describe_layer(layer, coordinator):
         "custom_objects": _custom_objects(layers),
         "layout": layout,
         # Tables the servers hold: the worker creates no local value for them.
-        "remote_paths": [weight.path for weight in layer.weights if store.entry(weight).remote],
+        "remote_tables": [remote_tables.table_key(weight.path) for weight in layer.weights
+                          if store.entry(weight).remote],
         "compile": compile_config,
         "optimizer": optimizer if compile_config else None,
     }

@@ -146,7 +146,7 @@ def placeholder_for(variable, initializer, strategy):
         return None
     if not variable.trainable or len(shape) < 2 or not _compat.is_model_variable(variable, owner):
         return None
-    if extended.adopts_table(variable.path):  # a coordinator's worker rebuilding the chief's model
+    if extended.adopts_table(table_key(variable.path)):  # a coordinator's worker rebuilding the chief's model
         return RemoteTable.create(variable, shape, dtype, variable.trainable)
     is_embedding = isinstance(owner, keras.layers.Embedding) and variable.name == "embeddings"
     if not (is_embedding or extended.partitions_rows(shape, str(variable.dtype))):
@@ -160,6 +160,16 @@ def placeholder_for(variable, initializer, strategy):
     table = RemoteTable.create(variable, shape, dtype, variable.trainable)
     bind(table, entry, extended.variable_router)
     return table
+
+
+def table_key(path):
+    """What names a table across the chief and a worker: its layer's name and its own.
+
+    A model rebuilt from its config on a worker creates its weights without
+    the enclosing model's name scope ("embedding/embeddings" for the chief's
+    "sequential/embedding/embeddings").
+    """
+    return "/".join(path.split("/")[-2:])
 
 
 def bind(table, entry, router):

@@ -82,7 +82,7 @@ class KerasWorkerRuntime(WorkerRuntime):
         strategy = spec["strategy"]
         with strategy.scope(), strategy.extended.local_variable_creation():
             with keras.saving.custom_object_scope(spec["custom_objects"]):
-                with strategy.extended.adopting_tables(spec.get("remote_paths", ())):
+                with strategy.extended.adopting_tables(spec.get("remote_tables", ())):
                     model = keras.saving.deserialize_keras_object(spec["config"])
         if len(model.weights) != len(spec["layout"]):
             raise InvalidArgumentError(

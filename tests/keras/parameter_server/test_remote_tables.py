@@ -18,10 +18,12 @@ import pytest
 import torch
 
 import kdist
+import kdist.coordinator
 from kdist.distribute.parameter_server.partitioners import MinSizePartitioner
 from kdist.errors import UnsupportedError
 from kdist.keras.parameter_server import remote_tables, worker_steps
 from tests import harness
+from tests.coordinator import _cluster
 from tests.keras import _ps
 from tests.keras.parameter_server.test_row_sparse_modes import TakeTable
 
@@ -186,3 +188,25 @@ def test_a_dense_use_in_a_step_makes_the_stand_in_an_ordinary_parameter_in_place
         stand_in.materialise(torch.from_numpy(expected))
         assert type(table.value) is torch.nn.Parameter and table.value is stand_in  # the same object
         np.testing.assert_array_equal(table.numpy(), expected)
+
+
+def _worker_holds(model):
+    """Run on a coordinator's worker: what its rebuilt model holds for each weight."""
+    return [type(remote_tables.of(weight)).__name__ for weight in model.weights]
+
+
+def test_coordinator_workers_hold_no_table_and_fit_equals_plain_keras(tmp_path):
+    x, y = _data()
+    with _cluster.start(num_workers=1, num_ps=2, tmp_path=tmp_path) as cluster:
+        strategy = _strategy(cluster)
+        coordinator = kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
+        with strategy.scope():
+            model = build("adagrad")
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        held = coordinator.schedule(_worker_holds, args=(model,)).fetch()
+        assert held.count("RemoteTable") == 2, held  # the two tables: stand-ins on the worker too
+        plain = build("adagrad")
+        plain_history = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(ours, theirs, atol=2e-5)
+        np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
