@@ -96,6 +96,12 @@ class StopPolicy:
         ended.restart_at = now + delay
         self._announce(f"{what}; restarting it ({number} of {restart.max_restarts}) in {delay:g}s")
 
+    def cancel_restarts(self, children):
+        """Drops every pending restart, of a process or of the whole job (the set is ending)."""
+        if self._job is not None:
+            self._job.cancel(children)
+        _cancel_restarts(children)
+
     def apply(self, children, now):
         """Sends the signals, and makes the restarts, that are due at `now` (`time.monotonic()`).
 
@@ -106,9 +112,7 @@ class StopPolicy:
             When the next signal or restart will be due, or None if nothing is pending.
         """
         if self._stop_request is not None:
-            if self._job is not None:
-                self._job.cancel(children)
-            _cancel_restarts(children)
+            self.cancel_restarts(children)
             return self._apply_stop(children, now)
         if self._job is not None and self._job.pending:
             return self._job.apply(children, now)

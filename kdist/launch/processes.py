@@ -299,6 +299,7 @@ class ProcessSet:
         described = ", ".join(f"{name} (pid {pids[name]})" for name in running)
         hung = [self._children[name] for name in running]
         with self._condition:
+            self._policy.cancel_restarts(list(self._children.values()))  # Nothing starts now.
             self._announce(f"timed out after {timeout:g}s; dumping stacks of {described}")
             signal_all(hung, signal.SIGABRT, aborted=True)
             self._wait_until_ended(hung, time.monotonic() + self.kill_after_seconds)

@@ -89,6 +89,40 @@ def test_without_max_restarts_the_first_failure_ends_the_job_as_before(tmp_path,
     assert harness.wait_until_gone(recorded_pids(tmp_path), timeout=10) == []
 
 
+def test_the_timeout_bounds_the_whole_job_restarts_included(tmp_path, capsys):
+    # Rank 1 fails every run; restarts come after 1 s, 2 s, 4 s: the 4 s timeout
+    # falls during one. The launcher ends it (exit 124), starting nothing more.
+    code = cli.main(
+        ["launch", "--nproc", "2", "--max-restarts", "5", "--timeout", "4", "--grace", "1",
+         RESTART_JOB, str(tmp_path), "1", "99", "exit3"]
+    )
+
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_TIMEOUT, err
+    assert "timed out after 4s" in err
+    assert "started" not in err.split("timed out after 4s")[1], err
+    assert 2 <= len(runs(tmp_path, "worker-1")) <= 3
+    assert harness.wait_until_gone(recorded_pids(tmp_path), timeout=10) == []
+
+
+def test_a_stop_signal_during_a_restart_cancels_it(tmp_path):
+    argv = [sys.executable, "-m", "kdist", "launch", "--nproc", "2", "--max-restarts", "3",
+            RESTART_JOB, str(tmp_path), "1", "99", "kill9"]
+    spec = harness.ProcessSpec("launcher", argv, cwd=str(harness.REPO_ROOT))
+    with harness.start([spec]) as processes:
+        # The first run's processes have ended; the restart waits its 1 s delay.
+        assert processes.wait_for_output("launcher", "restarting the job (1 of 3): stopping", timeout=60)
+        processes.send_signal("launcher", signal.SIGTERM)
+        result = harness.wait(processes, timeout=60)
+
+    launcher = result.output("launcher")
+    assert result.returncodes == {"launcher": 128 + signal.SIGTERM}, launcher
+    assert "received SIGTERM" in launcher
+    assert "restarting the job (1 of 3): started" not in launcher
+    assert len(runs(tmp_path, "worker-0")) == 1
+    assert harness.wait_until_gone(recorded_pids(tmp_path), timeout=10) == []
+
+
 def test_a_survivor_that_ignores_sigterm_is_killed_before_the_restart(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "KILL_AFTER_SECONDS", 1.0)
     code = launch(
