@@ -140,8 +140,9 @@ def placeholder_for(variable, initializer, strategy):
     owner = _compat.variable_owner()
     reference = getattr(_local, "slot_reference", None)
     if isinstance(owner, keras.optimizers.Optimizer):
-        entry = None if reference is None else extended.variable_router.entry(reference)
-        if entry is not None and entry.remote and tuple(reference.shape) == shape:
+        # A slot of a table the servers hold (on a coordinator's worker, possibly
+        # before the table is bound: Keras builds a deserialised model's optimizer).
+        if reference is not None and of(reference) is not None and tuple(reference.shape) == shape:
             return RemoteTable.create(variable, shape, dtype, trainable=False)
         return None
     if not variable.trainable or len(shape) < 2 or not _compat.is_model_variable(variable, owner):
