@@ -30,20 +30,19 @@ import contextlib
 import inspect
 import json
 import os
-import random
 import sys
 import threading
 import warnings
 
 import keras
 import numpy as np
-import torch
 
 from kdist import atomic_files, faults
 from kdist.errors import InvalidArgumentError, KdistError
 from kdist.keras import _compat, adapters, atomic_save
 from kdist.keras._compat import callbacks as compat_callbacks
 from kdist.keras.replica import adapter as replica_adapter
+from kdist.keras.replica.multi_worker import random_state, set_random_state
 
 STATE_KEY = "kdist_step"
 _local = threading.local()
@@ -290,24 +289,3 @@ def _assign(variables, encoded, kind):
     for variable, saved in zip(variables, encoded):
         array = np.frombuffer(base64.b64decode(saved["data"]), dtype=np.dtype(saved["dtype"]))
         variable.assign(array.reshape(saved["shape"]))
-
-
-def random_state():
-    """Python's, NumPy's and torch's global random state, as JSON-serialisable data."""
-    version, internal, gauss = random.getstate()
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached)],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
-    }
-
-
-def set_random_state(saved):
-    """Restores what `random_state()` returned."""
-    version, internal, gauss = saved["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, position, has_gauss, cached = saved["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
-    torch_state = np.frombuffer(base64.b64decode(saved["torch"]), dtype=np.uint8).copy()
-    torch.set_rng_state(torch.from_numpy(torch_state))

@@ -112,14 +112,16 @@ class VariableServicer:
     def create(self, frames):
         header, arrays = codec.read_stream(frames, self._create_layout, "create")
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
-        arrays, existing = iter(arrays), {entry.name for entry in self.store.all_entries()}
+        initialised = [item for item in header.items if item.HasField("initializer")]
+        existing = set(self.store.names()) if initialised else set()
+        arrays = iter(arrays)
         values = [self._initial_value(item, existing) if item.HasField("initializer") else next(arrays)
                   for item in header.items]
         results = self.store.create([
             (item.name, array, item.trainable) for item, array in zip(header.items, values)
         ])
         # A table initialised here is never sent back: its creator holds no copy.
-        kept = {item.name for item in header.items if item.HasField("initializer")}
+        kept = {item.name for item in initialised}
         kept.update(entry.name for entry, was_created in results if was_created)
         return self._variables_response(
             [entry for entry, _ in results], lambda entry: entry.name not in kept

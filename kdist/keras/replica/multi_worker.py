@@ -255,7 +255,7 @@ def _make_backup_collective(callback, strategy):
         model = callback.model
         # The class's save_weights: the instance's is the collective version.
         save_weights = lambda path: atomic_files.write_via(path, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))  # noqa: E731
-        atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: _encode_random_state()})
+        atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: random_state()})
 
     def _save_model():
         gradient_accumulation.flush(callback.model)
@@ -270,7 +270,7 @@ def _make_backup_collective(callback, strategy):
             with open(paths.metadata) as reader:
                 saved = json.load(reader).get(_RANDOM_STATE_KEY)
             if saved is not None:
-                _restore_random_state(saved)
+                set_random_state(saved)
 
     def on_train_end(logs=None):
         run_on_chief(strategy, lambda: original_end(logs), "BackupAndRestore.on_train_end")
@@ -286,7 +286,8 @@ def _make_backup_collective(callback, strategy):
 _RANDOM_STATE_KEY = "kdist_random_state"
 
 
-def _encode_random_state():
+def random_state():
+    """Python's, NumPy's and torch's global random state, as JSON-serialisable data."""
     version, internal, gauss = random.getstate()
     name, keys, position, has_gauss, cached = np.random.get_state()
     return {
@@ -296,7 +297,8 @@ def _encode_random_state():
     }
 
 
-def _restore_random_state(saved):
+def set_random_state(saved):
+    """Restores what `random_state()` returned."""
     version, internal, gauss = saved["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, position, has_gauss, cached = saved["numpy"]
