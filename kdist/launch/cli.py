@@ -34,6 +34,8 @@ KEEP_LINES = 1000
 # Without --log-dir, the logs go to a new directory in the temporary directory
 # (as torchrun's do), kept when the job fails so the summary can name them.
 LOG_DIR_PREFIX = "kdist-launch-"
+# Under the log directory: the parameter servers' checkpoints, unless --ps-checkpoint-dir.
+PS_CHECKPOINT_DIR_NAME = "ps-checkpoints"
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # As coreutils' `timeout`.
 # SIGHUP too (the terminal closed): the launcher then stops the job and removes
@@ -114,6 +116,27 @@ def _add_launch_arguments(parser):
         f"times (default: {plans.DEFAULT_MAX_WORKER_RESTARTS}; 0: a worker's death fails the job)",
     )
 
+    local.add_argument(
+        "--max-ps-restarts",
+        type=_count(0),
+        metavar="N",
+        help="with --ps: restart each parameter server that dies up to N times; it restores its "
+        f"last checkpoint (default: {plans.DEFAULT_MAX_PS_RESTARTS}; 0: a ps's death fails the job)",
+    )
+    local.add_argument(
+        "--ps-checkpoint-every",
+        metavar="EVERY",
+        help="with --ps: each parameter server checkpoints itself every N applied pushes (\"1\": "
+        "every step) or every N seconds (\"30s\") (default: "
+        f"{plans.DEFAULT_PS_CHECKPOINT_EVERY} while ps restarts are allowed)",
+    )
+    local.add_argument(
+        "--ps-checkpoint-dir",
+        metavar="DIR",
+        help="with --ps: where ps i keeps its checkpoint (DIR/ps-i) (default: ps-checkpoints in "
+        "the log directory)",
+    )
+
     job = parser.add_argument_group("the job")
     job.add_argument(
         "--max-restarts",
@@ -121,7 +144,9 @@ def _add_launch_arguments(parser):
         default=0,
         metavar="K",
         help="with --nproc, or --workers without --ps: when a process fails, restart the whole "
-        "job up to K times; fit resumes from the script's BackupAndRestore (default: 0)",
+        "job up to K times; fit resumes from the script's BackupAndRestore. With --ps: restart "
+        "the process that trains (the chief, or each worker without --chief) up to K times "
+        "(default: 0)",
     )
     job.add_argument(
         "--grace",
@@ -207,6 +232,8 @@ def _job_secret(args):
 
 def _run_processes(args, specs, job_restart=None):
     log_dir, made_log_dir = _log_dir(args)
+    if log_dir is not None:
+        specs = plans.with_ps_checkpoint_dir(specs, os.path.join(log_dir, PS_CHECKPOINT_DIR_NAME))
     code = 1
     try:
         code = _run_job(args, specs, log_dir, job_restart)

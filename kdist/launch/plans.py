@@ -10,7 +10,12 @@ Three modes, exactly one per launch:
 
 `--max-restarts K` (synchronous jobs: `--nproc`, or `--workers` without `--ps`)
 restarts the whole job from specs built again by `build_specs`, so a new
-rendezvous port or local cluster (`job_restart`).
+rendezvous port or local cluster (`job_restart`). With `--ps` the servers hold
+the job's state, so processes come back one at a time on their old ports: the
+trainer (the chief, or each worker without one) under `--max-restarts`, a
+coordinator's workers under `--max-worker-restarts`, and each ps under
+`--max-ps-restarts` (it restores the checkpoint it takes every
+`--ps-checkpoint-every`, `kdist.ps.autosave`).
 
 Every check happens here, before anything starts; a mistake raises `UsageError`
 naming the command-line argument.
@@ -25,6 +30,7 @@ from kdist.launch import cluster_file, task_env
 from kdist.launch.ports import free_ports
 from kdist.launch.restarts import JobRestart
 from kdist.launch.spec import ProcessSpec, RestartPolicy
+from kdist.ps import autosave
 
 LOCAL_HOST = "127.0.0.1"
 # Jobs that serve until stopped in a local cluster (`--workers` mode).
@@ -38,6 +44,10 @@ COORDINATOR_DAEMON_JOBS = ("ps", "worker")
 # and the delay before the first (then doubling: 1 s, 2 s, 4 s).
 DEFAULT_MAX_WORKER_RESTARTS = 3
 FIRST_RESTART_DELAY_SECONDS = 1.0
+# A parameter server that dies is started again on its port and restores its
+# last checkpoint (`kdist.ps.autosave`); by default it checkpoints every minute.
+DEFAULT_MAX_PS_RESTARTS = 3
+DEFAULT_PS_CHECKPOINT_EVERY = "60s"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 
@@ -97,6 +107,9 @@ def _check_mode_options(args, mode):
         "--evaluator": (args.evaluator, ("--workers", "--ps")),
         "--daemon-jobs": (args.daemon_jobs is not None, ("--cluster", "--workers", "--ps")),
         "--max-worker-restarts": (args.max_worker_restarts is not None, ("--workers", "--ps")),
+        "--max-ps-restarts": (args.max_ps_restarts is not None, ("--workers", "--ps")),
+        "--ps-checkpoint-every": (args.ps_checkpoint_every is not None, ("--workers", "--ps")),
+        "--ps-checkpoint-dir": (args.ps_checkpoint_dir is not None, ("--workers", "--ps")),
         "--max-restarts": (bool(args.max_restarts), ("--nproc", "--workers")),
     }
     for argument, (given, modes) in only.items():
@@ -106,13 +119,16 @@ def _check_mode_options(args, mode):
             )
     if mode == "--ps":
         raise UsageError("--ps", "needs --workers N: a parameter-server cluster needs workers.")
-    if args.max_restarts and args.ps:
-        raise UsageError(
-            "--max-restarts",
-            "restarts a synchronous job (--nproc, or --workers without --ps); with --ps the "
-            "parameter servers hold the job's state, and a restart would lose it. For "
-            "coordinator training use --max-worker-restarts.",
-        )
+    if not args.ps:
+        for argument, given in (
+            ("--max-ps-restarts", args.max_ps_restarts is not None),
+            ("--ps-checkpoint-every", args.ps_checkpoint_every is not None),
+            ("--ps-checkpoint-dir", args.ps_checkpoint_dir is not None),
+        ):
+            if given:
+                raise UsageError(
+                    argument, "needs --ps K with K >= 1: it configures the parameter servers."
+                )
     if mode == "--cluster" and not args.task:
         raise UsageError(
             "--task",
@@ -187,17 +203,67 @@ def _local_cluster_specs(args, command):
     daemon_jobs = _daemon_jobs(
         args, cluster, default=COORDINATOR_DAEMON_JOBS if coordinated else DEFAULT_DAEMON_JOBS
     )
-    worker_restart = _worker_restart(args, coordinated and "worker" in daemon_jobs)
+    restarts = {"worker": _worker_restart(args, coordinated and "worker" in daemon_jobs)}
+    ps_env = {}
+    if num_ps:
+        restarts["ps"], ps_env = _ps_restart(args)
+        # With parameter servers the job's state outlives a trainer: --max-restarts
+        # restarts the process that trains (the chief, or each worker) alone.
+        trainer = "chief" if args.chief else "worker"
+        if args.max_restarts and trainer not in daemon_jobs:
+            restarts[trainer] = RestartPolicy(args.max_restarts, FIRST_RESTART_DELAY_SECONDS)
     return [
         ProcessSpec(
             task_env.task_name(*task),
             command,
-            task_env.tf_config_env(cluster, *task),
+            {
+                **task_env.tf_config_env(cluster, *task),
+                **(_ps_env(ps_env, args, task[1]) if task[0] == "ps" else {}),
+            },
             daemon=task[0] in daemon_jobs,
-            restart=worker_restart if task[0] == "worker" else None,
+            restart=restarts.get(task[0]),
         )
         for task in task_env.cluster_tasks(cluster)
     ]
+
+
+def _ps_restart(args):
+    """The parameter servers' `RestartPolicy` and checkpoint interval variables."""
+    num_restarts = args.max_ps_restarts
+    if num_restarts is None:
+        num_restarts = DEFAULT_MAX_PS_RESTARTS
+    every = args.ps_checkpoint_every
+    if every is None and num_restarts:
+        every = DEFAULT_PS_CHECKPOINT_EVERY
+    env = {}
+    if every is not None:
+        try:
+            env[autosave.CHECKPOINT_EVERY_VARIABLE] = str(
+                autosave.parse_every(every, "--ps-checkpoint-every"))
+        except InvalidArgumentError as error:
+            raise UsageError("--ps-checkpoint-every", str(error)) from None
+    policy = RestartPolicy(num_restarts, FIRST_RESTART_DELAY_SECONDS) if num_restarts else None
+    return policy, env
+
+
+def _ps_env(env, args, index):
+    if env and args.ps_checkpoint_dir is not None:
+        directory = os.path.join(os.path.abspath(args.ps_checkpoint_dir), f"ps-{index}")
+        return {**env, autosave.CHECKPOINT_DIR_VARIABLE: directory}
+    return env
+
+
+def with_ps_checkpoint_dir(specs, root):
+    """Gives each checkpointing ps without a directory its own, `root/ps-<index>`."""
+    result = []
+    for spec in specs:
+        env = spec.env
+        every, directory = (autosave.CHECKPOINT_EVERY_VARIABLE, autosave.CHECKPOINT_DIR_VARIABLE)
+        if every in env and not env.get(directory):
+            index = spec.name.rsplit("-", 1)[-1]
+            env = {**env, directory: os.path.join(root, f"ps-{index}")}
+        result.append(dataclasses.replace(spec, env=env))
+    return result
 
 
 def _worker_restart(args, workers_only_serve):
@@ -226,8 +292,8 @@ def job_restart(args, make_specs):
         args: the parsed arguments (already checked by `build_specs`).
         make_specs: callable returning the restarted job's `ProcessSpec`s.
     """
-    if not args.max_restarts:
-        return None
+    if not args.max_restarts or args.ps:
+        return None  # With --ps, --max-restarts restarts one process at a time (above).
     return JobRestart(args.max_restarts, make_specs, FIRST_RESTART_DELAY_SECONDS)
 
 

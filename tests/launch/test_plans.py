@@ -15,6 +15,7 @@ import pytest
 
 from kdist.launch import cli, plans
 from kdist.launch.spec import RestartPolicy
+from kdist.ps import autosave
 from tests import harness
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -32,8 +33,9 @@ def test_coordinator_workers_get_a_bounded_restart_policy_and_nothing_else_does(
     specs = specs_for("--workers", "2", "--ps", "1", "--chief")
 
     default = RestartPolicy(plans.DEFAULT_MAX_WORKER_RESTARTS, plans.FIRST_RESTART_DELAY_SECONDS)
+    ps_default = RestartPolicy(plans.DEFAULT_MAX_PS_RESTARTS, plans.FIRST_RESTART_DELAY_SECONDS)
     assert {name: spec.restart for name, spec in specs.items()} == {
-        "ps-0": None,
+        "ps-0": ps_default,
         "worker-0": default,
         "worker-1": default,
         "chief-0": None,
@@ -54,7 +56,44 @@ def test_coordinator_workers_get_a_bounded_restart_policy_and_nothing_else_does(
     ids=["async-ps", "multi-worker", "workers-not-serving"],
 )
 def test_workers_that_train_themselves_keep_fail_fast(argv):
-    assert all(spec.restart is None for spec in specs_for(*argv).values())
+    assert all(spec.restart is None for name, spec in specs_for(*argv).items() if name != "ps-0")
+
+
+def test_parameter_servers_restart_and_checkpoint_by_default():
+    specs = specs_for("--workers", "1", "--ps", "2", "--chief")
+    every = autosave.CHECKPOINT_EVERY_VARIABLE
+    assert [specs[f"ps-{i}"].env[every] for i in range(2)] == [plans.DEFAULT_PS_CHECKPOINT_EVERY] * 2
+    assert autosave.CHECKPOINT_EVERY_VARIABLE not in specs["worker-0"].env
+    placed = plans.with_ps_checkpoint_dir(list(specs.values()), "/logs/ps-checkpoints")
+    directories = {s.name: s.env.get(autosave.CHECKPOINT_DIR_VARIABLE) for s in placed}
+    assert directories == {"chief-0": None, "worker-0": None, "ps-0": "/logs/ps-checkpoints/ps-0",
+                           "ps-1": "/logs/ps-checkpoints/ps-1"}
+
+
+def test_ps_checkpoint_flags():
+    specs = specs_for("--workers", "1", "--ps", "1", "--chief", "--ps-checkpoint-every", "1",
+                      "--ps-checkpoint-dir", "/ckpt", "--max-ps-restarts", "5")
+    assert specs["ps-0"].restart == RestartPolicy(5, plans.FIRST_RESTART_DELAY_SECONDS)
+    assert specs["ps-0"].env[autosave.CHECKPOINT_EVERY_VARIABLE] == "1"
+    assert specs["ps-0"].env[autosave.CHECKPOINT_DIR_VARIABLE] == "/ckpt/ps-0"
+    # The user's directory is kept by with_ps_checkpoint_dir.
+    (placed,) = [s for s in plans.with_ps_checkpoint_dir(list(specs.values()), "/x") if s.name == "ps-0"]
+    assert placed.env[autosave.CHECKPOINT_DIR_VARIABLE] == "/ckpt/ps-0"
+    specs = specs_for("--workers", "1", "--ps", "1", "--max-ps-restarts", "0")
+    assert specs["ps-0"].restart is None
+    assert autosave.CHECKPOINT_EVERY_VARIABLE not in specs["ps-0"].env
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--workers", "1", "--ps", "1", "--ps-checkpoint-every", "0"], "argument --ps-checkpoint-every"),
+     (["--workers", "1", "--ps", "1", "--ps-checkpoint-every", "1.5"], "Received: '1.5'"),
+     (["--workers", "1", "--ps-checkpoint-every", "1"], "needs --ps K"),
+     (["--nproc", "2", "--max-ps-restarts", "1"], "only allowed with --workers")],
+)
+def test_bad_ps_checkpoint_flags_are_usage_errors(argv, message, capsys):
+    assert cli.main(["launch", *argv, SCRIPT]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_max_worker_restarts_outside_coordinator_training_is_a_usage_error(capsys):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kdist.launch import cli, output
+from kdist.launch import cli, output, plans
+from kdist.launch.spec import RestartPolicy
 from tests import harness
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -152,25 +153,33 @@ def test_a_tf_config_cluster_restarts_on_a_new_local_cluster(tmp_path, capsys):
     assert harness.wait_until_gone(recorded_pids(tmp_path), timeout=10) == []
 
 
-@pytest.mark.parametrize(
-    "argv, expected",
-    [
-        (["--workers", "1", "--ps", "1", "--chief"], "argument --max-restarts: restarts a synchronous job"),
-        (["--workers", "1", "--ps", "1"], "argument --max-restarts: restarts a synchronous job"),
-        (["--cluster", "{cluster}", "--task", "worker:0"], "argument --max-restarts: only allowed with --nproc"),
-    ],
-    ids=["coordinator", "between-graph-ps", "cluster"],
-)
-def test_max_restarts_is_refused_where_a_whole_restart_is_not_exact(tmp_path, capsys, argv, expected):
+def test_max_restarts_is_refused_with_part_of_a_cluster(tmp_path, capsys):
     cluster = tmp_path / "cluster.json"
     cluster.write_text('{"worker": ["127.0.0.1:1111"]}')
-    argv = [str(cluster) if arg == "{cluster}" else arg for arg in argv]
 
-    code = cli.main(["launch", *argv, "--max-restarts", "2", RESTART_JOB, str(tmp_path), "0", "1", "exit1"])
+    code = cli.main(["launch", "--cluster", str(cluster), "--task", "worker:0", "--max-restarts", "2",
+                     RESTART_JOB, str(tmp_path), "0", "1", "exit1"])
 
     assert code == 2
-    assert expected in capsys.readouterr().err
+    assert "argument --max-restarts: only allowed with --nproc" in capsys.readouterr().err
     assert list(tmp_path.glob("runs-*")) == []
+
+
+@pytest.mark.parametrize(
+    "argv, trainers",
+    [(["--workers", "2", "--ps", "1", "--chief"], ["chief-0"]),
+     (["--workers", "2", "--ps", "1"], ["worker-0", "worker-1"])],
+    ids=["coordinator", "between-graph-ps"],
+)
+def test_with_ps_max_restarts_restarts_the_trainers_one_at_a_time(argv, trainers):
+    args = cli.build_parser().parse_args(["launch", *argv, "--max-restarts", "2", RESTART_JOB])
+    specs = {spec.name: spec for spec in plans.build_specs(args)}
+
+    assert plans.job_restart(args, lambda: []) is None  # The servers' state is never restarted.
+    for name in trainers:
+        assert specs[name].restart == RestartPolicy(2, plans.FIRST_RESTART_DELAY_SECONDS)
+    assert specs["ps-0"].restart == RestartPolicy(plans.DEFAULT_MAX_PS_RESTARTS,
+                                                  plans.FIRST_RESTART_DELAY_SECONDS)
 
 
 def test_a_negative_max_restarts_is_a_usage_error(tmp_path, capsys):
