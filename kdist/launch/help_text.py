@@ -57,8 +57,17 @@ coordinator training (--chief with --ps):
   up to --max-worker-restarts times (default 3; 0 = a worker's death fails the
   job). Each restart is logged: "[kdist] worker-1 (pid N) was killed by SIGKILL;
   restarting it (1 of 3) in 1s". The chief decides the outcome: the exit code is
-  the chief's. A ps or chief that fails still fails the job at once, as does a
-  worker that fails again after its last restart.
+  the chief's. A worker that fails again after its last restart fails the job.
+
+parameter servers and trainers that come back (--ps):
+  Each ps checkpoints itself every --ps-checkpoint-every (N applied pushes, "1" =
+  every step, or "30s"; default 60s) into --ps-checkpoint-dir/ps-I (default: the
+  log directory). A ps that dies is started again on its port, restores that
+  checkpoint and the others carry on; up to --max-ps-restarts times (default 3;
+  0 = a ps's death fails the job). Updates applied after its last checkpoint are
+  lost and logged. --max-restarts K restarts the process that trains alone: the
+  chief (coordinator training) or each worker (without --chief), up to K times;
+  its fit resumes from the script's BackupAndRestore while the servers keep theirs.
 
 restarting a synchronous job (--max-restarts K, with --nproc, or --workers without --ps):
   When a process fails (a non-zero exit, a signal), the launcher restarts the whole
