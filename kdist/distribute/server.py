@@ -77,7 +77,11 @@ class Server:
             `127.0.0.1` at the task's port (this host only). A port of 0 in
             the cluster or here means "any free port" (see `port`).
         options: a `kdist.ps.ServiceOptions` (message sizes, thread pool,
-            `max_staleness`, ...); None for the defaults.
+            `max_staleness`, checkpoints, ...); None for the defaults. A `"ps"`
+            task whose options set no `checkpoint_dir` takes `kdist launch`'s
+            (`KDIST_PS_CHECKPOINT_EVERY` and `KDIST_PS_CHECKPOINT_DIR`,
+            `kdist.ps.autosave`): it restores the checkpoint found there
+            before serving, and checkpoints itself there.
         security: a `kdist.ps.Security` (the cluster secret, TLS files); None
             for the default: the cluster secret from the environment (else this
             process's own), plain text.
@@ -228,10 +232,13 @@ class Server:
                         self._bind_address, self._cluster_spec, self._task_index, security=self._security
                     )
                 else:
-                    from kdist.ps import create_server
+                    from kdist.ps import ServiceOptions, autosave, create_server
 
+                    # Checkpoint settings: the program's options, else `kdist launch`'s.
+                    options = autosave.with_environment(self._options or ServiceOptions())
                     self._server = create_server(
-                        self._bind_address, options=self._options, security=self._security
+                        self._bind_address, options=options, security=self._security,
+                        name=f"{self._job_name}-{self._task_index}",
                     )
                 with _serving_lock:
                     _serving.add(self)

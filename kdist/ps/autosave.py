@@ -8,11 +8,15 @@ checkpointing unset:
   `"Ns"` (every N seconds, e.g. `"30s"`, `"0.5s"`);
 - `KDIST_PS_CHECKPOINT_DIR`: this ps's own checkpoint directory.
 
-`parse_every` turns the text into a `CheckpointEvery`.
+`parse_every` turns the text into a `CheckpointEvery`; `with_environment`
+fills a `ServiceOptions` from those variables. The running side (saving,
+restoring at start, counting the pushes a checkpoint misses) is
+`kdist.ps.autosaver.Autosaver`.
 """
 
 import dataclasses
 import math
+import os
 
 from kdist.errors import InvalidArgumentError
 
@@ -60,3 +64,39 @@ def parse_every(text, name=CHECKPOINT_EVERY_VARIABLE):
     except ValueError:
         pass
     raise InvalidArgumentError(f"{name} must be {expected}. Received: {text!r}.")
+
+
+def with_environment(options, environ=None):
+    """Returns `options` with `kdist launch`'s checkpoint settings where it has none.
+
+    A `ServiceOptions` that sets `checkpoint_dir` is returned as it is (the
+    program's own settings win); otherwise both variables, when set, give
+    `checkpoint_dir` and `checkpoint_every`.
+
+    Args:
+        options: a `kdist.ps.ServiceOptions`.
+        environ: the variables to read (default: `os.environ`).
+
+    Raises:
+        kdist.errors.InvalidArgumentError: one variable set without the
+            other, or an interval `parse_every` refuses.
+
+    Example:
+        >>> with_environment(ServiceOptions(), {CHECKPOINT_EVERY_VARIABLE: "1",
+        ...     CHECKPOINT_DIR_VARIABLE: "/ckpt/ps-0"}).checkpoint_dir  # doctest: +SKIP
+        '/ckpt/ps-0'
+    """
+    environ = os.environ if environ is None else environ
+    if options.checkpoint_dir is not None:
+        return options
+    every, directory = environ.get(CHECKPOINT_EVERY_VARIABLE), environ.get(CHECKPOINT_DIR_VARIABLE)
+    if not every and not directory:
+        return options
+    if not every or not directory:
+        raise InvalidArgumentError(
+            f"{CHECKPOINT_EVERY_VARIABLE} and {CHECKPOINT_DIR_VARIABLE} go together. Received: "
+            f"{CHECKPOINT_EVERY_VARIABLE}={every!r}, {CHECKPOINT_DIR_VARIABLE}={directory!r}. "
+            "Set both (kdist launch --ps does) or neither."
+        )
+    return dataclasses.replace(options, checkpoint_dir=directory,
+                               checkpoint_every=parse_every(every))

@@ -41,11 +41,13 @@ FORMAT = "kdist.ps.checkpoint/1"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def save(store, directory):
+def save(store, directory, extra=None):
     """Writes every variable of `store` to `directory` atomically; returns how many.
 
     Each variable is copied under its own lock (a consistent value, version
     and optimizer state per variable; not one instant across variables).
+    `extra`, a JSON-serialisable dict, is kept in the manifest (`read_extra`):
+    `kdist.ps.autosaver` keeps its push count and update ids there.
 
     Raises:
         kdist.errors.InvalidArgumentError: an empty directory name, or one that
@@ -82,7 +84,8 @@ def save(store, directory):
                 with open(temporary / name, "wb") as writer:
                     np.save(_Writes(writer), dtypes.storable(array), allow_pickle=False)
                     _flush_to_disk(writer)
-            manifest = json.dumps({"format": FORMAT, "variables": records}, indent=1)
+            manifest = json.dumps({"format": FORMAT, "variables": records,
+                                   **({"extra": extra} if extra else {})}, indent=1)
             with open(temporary / MANIFEST_NAME, "w", encoding="utf-8") as writer:
                 writer.write(manifest)
                 _flush_to_disk(writer)
@@ -148,6 +151,24 @@ def restore(store, directory):
             )
     store.replace_entries(new_entries)
     return len(new_entries)
+
+
+def read_extra(directory):
+    """Returns the `extra` dict `save` kept in the checkpoint at `directory` ({} if none).
+
+    Raises:
+        kdist.errors.InvalidArgumentError: a damaged manifest.
+    """
+    source = _directory(directory)
+    try:
+        extra = json.loads((source / MANIFEST_NAME).read_text(encoding="utf-8")).get("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError(f"extra is a {type(extra).__name__}")
+    except (OSError, ValueError, AttributeError) as error:
+        raise InvalidArgumentError(
+            f"The checkpoint at {str(source)!r} is damaged: {type(error).__name__}: {error}."
+        ) from None
+    return extra
 
 
 def _directory(directory):

@@ -192,7 +192,7 @@ class VariableClient:
             gradients: `DenseGradient`s and `RowGradient`s, one per variable.
             assignments: `Assignment`s (new values) applied after the gradients.
             update_id: an idempotency key of at most 256 characters, or None
-                (or ""): none. The server applies a push whose `update_id` it
+                (or ""): a fresh one of this process. The server applies a push whose `update_id` it
                 has already applied (among its most recent
                 `kdist.ps.store.MAX_REMEMBERED_UPDATES`) only once: a repeat
                 changes nothing and returns the first push's `PushResult`. So a
@@ -222,10 +222,9 @@ class VariableClient:
             arrays.extend(payload)
         assignment_metas, assignment_arrays = assignment_payload(assignments)
         header = pb.PushHeader(gradients=metas, assignments=assignment_metas,
-                               update_id=update_id or "")
-        # Without an update_id a repeat could apply the gradients twice: no retry.
-        response = self._call("Push", lambda: self._stream(header, arrays + assignment_arrays),
-                              retry=bool(update_id))
+                               update_id=client_retry.update_id_or_fresh(update_id))
+        # Sent again (server restarting) with its id: applied once in all.
+        response = self._call("Push", lambda: self._stream(header, arrays + assignment_arrays))
         return PushResult(dict(response.versions), tuple(response.rejected),
                           dict(response.staleness))
 
@@ -243,9 +242,9 @@ class VariableClient:
         """
         check_update_id(update_id)
         metas, arrays = assignment_payload(assignments)
-        header = pb.PushHeader(assignments=metas, update_id=update_id or "")
-        return dict(self._call("Assign", lambda: self._stream(header, arrays),
-                               retry=bool(update_id)).versions)
+        header = pb.PushHeader(assignments=metas,
+                               update_id=client_retry.update_id_or_fresh(update_id))
+        return dict(self._call("Assign", lambda: self._stream(header, arrays)).versions)
 
     def lookup(self, requests):
         """Gathers rows (axis 0) of variables in one call.

@@ -1,8 +1,10 @@
-"""`VariableClient`'s calls: one deadline for all attempts, retries on UNAVAILABLE and refused slots, a watchdog."""
+"""`VariableClient`'s calls: one deadline for all attempts, retries on UNAVAILABLE (a server coming back) and refused slots, a watchdog."""
 
 import itertools
+import os
 import random
 import time
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -33,6 +35,29 @@ RETRY_BACKOFF_SECONDS = (0.1, 1.0)  # (initial, max); doubles at each retry
 # answers (a message over the size limit, the server's memory or disk full)
 # are never retried.
 SLOT_BACKOFF_SECONDS = (0.01, 0.5)
+# A server that answered before and is now gone (`UNAVAILABLE` once the client
+# was connected: killed, restarting under `kdist launch --ps`) is coming back:
+# any call but a `Health` probe is sent again after a jittered backoff from
+# [b/2, b], b doubling up to the second value, until the server answers or
+# `ServiceOptions.recovery_timeout_seconds` passed since the call found it
+# gone (within the call's deadline); then `ParameterServerUnavailableError`
+# says it did not come back. A push is sent again with its update id, so one
+# that reached the server before it died is applied once in all.
+RECOVERY_BACKOFF_SECONDS = (0.1, 1.0)
+_PROBES = ("Health",)
+# Update ids of pushes the caller gave none: unique to this process (its pid is
+# added per call, so that a forked child never repeats its parent's ids).
+_FRESH_PREFIX = f"kdist-{uuid.uuid4().hex[:12]}"
+_fresh_ids = itertools.count()
+
+
+def update_id_or_fresh(update_id):
+    """`update_id`, or a fresh id unique to this process when it is None or "".
+
+    Every push then carries an id, so that one whose server went away before
+    answering can be sent again without being applied twice.
+    """
+    return update_id or f"{_FRESH_PREFIX}-{os.getpid()}/{next(_fresh_ids)}"
 
 
 def call(client, name, request, read=None, timeout=None, wait_for_ready=None, retry=True):
@@ -47,6 +72,8 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
         wait_for_ready = True
         deadline += client.options.connect_timeout_seconds
     started = time.monotonic()
+    gone_since = None  # when the call found its (earlier reachable) server gone
+    recovery = client.options.recovery_timeout_seconds if name not in _PROBES else 0
     backoff = RETRY_BACKOFF_SECONDS[0]
     slot_backoff = SLOT_BACKOFF_SECONDS[0]
     attempt, slot_refusals = 1, 0
@@ -64,6 +91,17 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
                     slot_backoff = min(2 * slot_backoff, SLOT_BACKOFF_SECONDS[1])
                     continue
                 raise _slot_error(client, error, slot_refusals, elapsed, deadline) from None
+            if (retry and recovery and client._connected
+                    and _code(error) == grpc.StatusCode.UNAVAILABLE):
+                gone_since = time.monotonic() if gone_since is None else gone_since
+                limit = min(deadline, gone_since - started + recovery)
+                # The last attempt lands on the limit: the window is waited in full.
+                delay = min(random.uniform(backoff / 2, backoff), limit - elapsed)
+                if delay > 0 and not client._closed.wait(delay):
+                    attempt += 1
+                    backoff = min(2 * backoff, RECOVERY_BACKOFF_SECONDS[1])
+                    continue
+                raise _gone_error(client, error, deadline, started, gone_since) from None
             if (retry and attempt < MAX_ATTEMPTS and _code(error) == grpc.StatusCode.UNAVAILABLE
                     and elapsed + backoff < deadline and not client._closed.wait(backoff)):
                 attempt += 1
@@ -115,6 +153,18 @@ def _slot_error(client, error, refusals, elapsed, deadline):
         f"{detail or ''} The call was refused {refusals} times in {elapsed:.1f} s and its "
         f"deadline ({deadline:g} s) left no time to wait longer; if the server is busy with "
         "the job's own calls, raise ServiceOptions.max_workers (server) or rpc_timeout_seconds.")
+
+
+def _gone_error(client, error, deadline, started, gone_since):
+    detail = error.details() if hasattr(error, "details") else str(error)
+    now = time.monotonic()
+    return ParameterServerUnavailableError(
+        client.address, deadline,
+        f"the server went away and did not come back within {now - gone_since:.1f} s "
+        f"(ServiceOptions.recovery_timeout_seconds="
+        f"{client.options.recovery_timeout_seconds:g}, within the call's deadline); was it "
+        f"restarted (kdist launch --max-ps-restarts)? Last error: {detail or ''}",
+        now - started)
 
 
 def _code(error):

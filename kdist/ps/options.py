@@ -39,6 +39,10 @@ DEFAULT_MAX_STREAMS_PER_PEER = 8
 # message for this long is cancelled: a healthy client sends its next 1 MiB
 # chunk within milliseconds, and a stalled one must not hold a thread forever.
 DEFAULT_STREAM_IDLE_SECONDS = 30.0
+# A parameter server that is gone after having answered (killed, restarting)
+# is waited for this long before a call gives up: `kdist launch` restarts a
+# dead ps within seconds (start-up plus its checkpoint's restore).
+DEFAULT_RECOVERY_TIMEOUT_SECONDS = 90.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,22 @@ class ServiceOptions:
             `INVALID_ARGUMENT` naming the variable, and nothing changes;
             except that a variable whose optimizer is a `LossScaleOptimizer`
             always gets them (it skips that step and lowers its loss scale).
+        recovery_timeout_seconds: client side: a server that answered before
+            and is now gone (`UNAVAILABLE`: killed, restarting) is called
+            again, with jittered backoff and the same update id, until it
+            comes back or this long after it went, within the call's
+            deadline; then the call raises `ParameterServerUnavailableError`
+            saying the server did not come back. `health()` is a probe and
+            is not held up.
+        checkpoint_dir: server side: this server's own directory; with
+            `checkpoint_every` it checkpoints itself there, and restores the
+            checkpoint it finds there before serving (`kdist.ps.autosave`).
+            None: no automatic checkpoints (`kdist.distribute.Server` then
+            reads `kdist launch`'s variables).
+        checkpoint_every: server side: a `kdist.ps.autosave.CheckpointEvery`
+            or its text: `"N"` (every N applied pushes, saved before the
+            N-th push is answered) or `"Ns"` (every N seconds). Needs
+            `checkpoint_dir`.
 
     Raises:
         kdist.errors.InvalidArgumentError: a value of the wrong type or range.
@@ -103,6 +123,9 @@ class ServiceOptions:
     max_streams_per_peer: int = DEFAULT_MAX_STREAMS_PER_PEER
     stream_idle_seconds: float = DEFAULT_STREAM_IDLE_SECONDS
     allow_non_finite_gradients: bool = False
+    recovery_timeout_seconds: float = DEFAULT_RECOVERY_TIMEOUT_SECONDS
+    checkpoint_dir: str | None = None
+    checkpoint_every: object = None
 
     def __post_init__(self):
         _check_int(self, "chunk_bytes", minimum=1)
@@ -140,6 +163,8 @@ class ServiceOptions:
                 "ServiceOptions.allow_non_finite_gradients must be a bool. Received: "
                 f"allow_non_finite_gradients={self.allow_non_finite_gradients!r}."
             )
+        _check_seconds(self, "recovery_timeout_seconds", allow_zero=True)
+        _check_checkpointing(self)
 
     @property
     def stream_limit(self):
@@ -179,4 +204,25 @@ def _check_seconds(options, name, allow_zero=False):
         raise InvalidArgumentError(
             f"ServiceOptions.{name} must be a finite number of seconds {bound}. "
             f"Received: {name}={value!r}."
+        )
+
+
+def _check_checkpointing(options):
+    # Imported here: autosave imports nothing of the service, options stays light.
+    from kdist.ps.autosave import CheckpointEvery, parse_every
+
+    every, directory = options.checkpoint_every, options.checkpoint_dir
+    if every is not None and not isinstance(every, CheckpointEvery):
+        every = parse_every(every, "ServiceOptions.checkpoint_every")
+        object.__setattr__(options, "checkpoint_every", every)
+    if directory is not None and (not isinstance(directory, str) or not directory):
+        raise InvalidArgumentError(
+            "ServiceOptions.checkpoint_dir must be a non-empty path or None. Received: "
+            f"checkpoint_dir={directory!r}."
+        )
+    if (every is None) != (directory is None):
+        raise InvalidArgumentError(
+            "ServiceOptions.checkpoint_dir and checkpoint_every go together. Received: "
+            f"checkpoint_dir={directory!r}, checkpoint_every={every!r}. Set both (e.g. "
+            "checkpoint_every=\"1\" to save before each push is answered) or neither."
         )

@@ -6,6 +6,7 @@ import grpc
 
 from kdist.cluster.address import bind_endpoint, format_address
 from kdist.errors import InvalidArgumentError
+from kdist.ps.autosaver import Autosaver
 from kdist.ps.options import ServiceOptions
 from kdist.ps.security import Security
 from kdist.ps.servicer import VariableServicer
@@ -30,6 +31,9 @@ class VariableServer:
         self._server = server
         self._servicer = servicer
         self.store = servicer.store
+        # The `kdist.ps.autosaver.Autosaver` (its `restored`: the line it
+        # logged at start, or None), or None without automatic checkpoints.
+        self.autosaver = servicer.autosaver
         self.port = port
         self.address = format_address(host, port)
 
@@ -49,8 +53,10 @@ class VariableServer:
             True when the server shut down within `grace` plus a margin.
         """
         grace = DEFAULT_STOP_GRACE_SECONDS if grace is None else grace
-        stopped = self._server.stop(grace)
-        return stopped.wait(grace + _STOP_MARGIN_SECONDS)
+        stopped = self._server.stop(grace).wait(grace + _STOP_MARGIN_SECONDS)
+        if self.autosaver is not None:
+            self.autosaver.close()  # after the last call: it saves what it applied
+        return stopped
 
     def wait(self, timeout=None):
         """Blocks until the server stops or `timeout` seconds pass; returns True if stopped."""
@@ -67,7 +73,7 @@ class VariableServer:
         return f"VariableServer(address={self.address!r})"
 
 
-def create_server(address="127.0.0.1:0", *, options=None, security=None):
+def create_server(address="127.0.0.1:0", *, options=None, security=None, name=None):
     """Creates, binds and starts a variable-service server.
 
     Args:
@@ -76,13 +82,19 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
         options: `ServiceOptions` (chunk size, message limit, staleness bound,
             threads). Defaults to `ServiceOptions()`.
         security: `Security` (TLS, token) or None for plain text without a token.
+        name: how logs name this server (e.g. `"ps-1"`); None: its address.
+
+    With `options.checkpoint_dir` and `checkpoint_every`, the server restores
+    the checkpoint it finds in its directory before it serves, then
+    checkpoints itself there (`kdist.ps.autosaver`).
 
     Returns:
         The started `VariableServer`.
 
     Raises:
         kdist.errors.InvalidArgumentError: a malformed address, one that cannot
-            be bound (in use, not local), or wrong option types.
+            be bound (in use, not local), wrong option types, or a damaged
+            checkpoint in `options.checkpoint_dir`.
 
     Example:
 
@@ -102,7 +114,12 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
     host, _ = bind_endpoint(address)
     store = VariableStore(max_staleness=options.max_staleness,
                           allow_non_finite_gradients=options.allow_non_finite_gradients)
-    servicer = VariableServicer(store, options.chunk_bytes, options)
+    autosaver = None
+    if options.checkpoint_dir is not None:
+        autosaver = Autosaver(store, options.checkpoint_dir, options.checkpoint_every,
+                              name or address)
+        autosaver.restore_at_start()  # before serving anything
+    servicer = VariableServicer(store, options.chunk_bytes, options, autosaver)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers,
                                    thread_name_prefix="kdist-ps"),
@@ -112,8 +129,15 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None):
         # instead of silently sharing the port with the first.
         options=options.grpc_options() + [("grpc.so_reuseport", 0)],
     )
-    port = security.bind(server, address, "parameter server")
+    try:
+        port = security.bind(server, address, "parameter server")
+    except BaseException:
+        if autosaver is not None:
+            autosaver.close()
+        raise
     server.start()
+    if autosaver is not None:
+        autosaver.start()
     security.check_exposure("parameter server", host, port)
     return VariableServer(server, servicer, host, port)
 

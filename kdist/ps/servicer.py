@@ -12,6 +12,7 @@ and the server keeps serving.
 """
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -43,10 +44,13 @@ class VariableServicer:
         chunk_bytes: payload bytes per response message.
         options: the server's `ServiceOptions`, for the stream bounds and the
             idle timeout (`StreamGuard.from_options`). None: the defaults.
+        autosaver: a `kdist.ps.autosaver.Autosaver` that checkpoints the store
+            around the requests that change it, or None.
     """
 
-    def __init__(self, store, chunk_bytes, options=None):
+    def __init__(self, store, chunk_bytes, options=None, autosaver=None):
         self.store = store
+        self.autosaver = autosaver
         self.chunk_bytes = chunk_bytes
         self.started = time.monotonic()
         self.guard = StreamGuard.from_options(ServiceOptions() if options is None else options)
@@ -117,9 +121,10 @@ class VariableServicer:
         arrays = iter(arrays)
         values = [self._initial_value(item, existing) if item.HasField("initializer") else next(arrays)
                   for item in header.items]
-        results = self.store.create([
-            (item.name, array, item.trainable) for item, array in zip(header.items, values)
-        ])
+        with self._changing():
+            results = self.store.create([
+                (item.name, array, item.trainable) for item, array in zip(header.items, values)
+            ])
         # A table initialised here is never sent back: its creator holds no copy.
         kept = {item.name for item in initialised}
         kept.update(entry.name for entry, was_created in results if was_created)
@@ -213,8 +218,15 @@ class VariableServicer:
         header, arrays = codec.read_stream(frames, layout, "push", allocate)
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
         try:
-            versions, rejected, staleness = self.store.apply_update(
-                plans[0], arrays, count_push=gradients_allowed, update_id=header.update_id)
+            with self._applying():
+                versions, rejected, staleness = self.store.apply_update(
+                    plans[0], arrays, count_push=gradients_allowed, update_id=header.update_id)
+                counted = self.autosaver is not None and self.autosaver.count_applied()
+            # Saved before the answer: an acknowledged push is in a due checkpoint.
+            if counted and gradients_allowed:
+                self.autosaver.after_push()
+            elif counted:
+                self.autosaver.after_change()
         finally:
             for array in arrays[: len(arrays) - len(plans[0].assignments)]:
                 self._buffers.give(array)
@@ -263,7 +275,8 @@ class VariableServicer:
     # -- Optimizers -----------------------------------------------------------------
 
     def configure_optimizer(self, request):
-        self.store.configure_optimizer(request.config_json, list(request.names))
+        with self._changing():
+            self.store.configure_optimizer(request.config_json, list(request.names))
         return pb.ConfigureOptimizerResponse()
 
     def optimizer_state(self, request):
@@ -291,8 +304,20 @@ class VariableServicer:
         return pb.CheckpointResponse(num_variables=checkpoint.save(self.store, request.directory))
 
     def restore(self, request):
-        return pb.CheckpointResponse(
-            num_variables=checkpoint.restore(self.store, request.directory))
+        with self._changing():
+            num_variables = checkpoint.restore(self.store, request.directory)
+        return pb.CheckpointResponse(num_variables=num_variables)
+
+    def _applying(self):
+        return contextlib.nullcontext() if self.autosaver is None else self.autosaver.applying()
+
+    @contextlib.contextmanager
+    def _changing(self):
+        # What a restarted server could not rebuild is saved before the answer.
+        with self._applying():
+            yield
+        if self.autosaver is not None:
+            self.autosaver.after_change()
 
     def stats(self, request):
         stats = self.store.stats()
