@@ -1,0 +1,157 @@
+"""Fault injection on real processes: `kill -9` at a seeded step, the launcher restarts, the run ends exact.
+
+Each case is a job under the real launcher (`python -m kdist launch ... --max-restarts 1`)
+training with `keras.callbacks.BackupAndRestore(save_freq=...)`; one process of it
+SIGKILLs itself right after a global step drawn by `random.Random` (three draws per
+case, on its first run only: tests/launch/scripts/fault_fit.py). The launcher restarts
+the job (or, with `--ps`, the worker alone), `fit` resumes from the backup, and the run
+must exit 0 and equal its uninterrupted reference: weights, optimizer slots and
+iterations, evaluate, predict and the History of the epochs the restarted `fit` ran,
+to float32 tolerance. The reference is plain Keras in this process, computed once
+per training configuration (kdist's synchronous strategies equal it, whatever the
+number of processes). Negative controls: the same job with a resume that trains the
+saved steps again, or that restores the optimizer without its iterations, must fail
+the comparison.
+"""
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import harness
+from tests.launch.scripts import fault_fit
+
+SCRIPT = Path(fault_fit.__file__)
+SEED = 24
+NUM_DRAWS = 3
+SAVE_FREQ = 4  # A backup every 4 steps: at most 4 steps of work are lost.
+TOTAL_STEPS = fault_fit.EPOCHS * fault_fit.STEPS_PER_EPOCH
+JOB_TIMEOUT = 150.0
+RESUMED = re.compile(r"\[worker-0\] \[kdist\] resumed from backup (\S+): epoch (\d+), step (\d+)")
+
+# name: (launcher arguments, the process killed, fault_fit mode, save_freq)
+CASES = {
+    "mwms2_rank0": (["--nproc", "2"], "worker-0", "mwms", SAVE_FREQ),
+    "mwms2_rank1": (["--nproc", "2"], "worker-1", "mwms", SAVE_FREQ),
+    "mwms3_rank0": (["--nproc", "3"], "worker-0", "mwms", SAVE_FREQ),
+    "mwms3_rank2": (["--nproc", "3"], "worker-2", "mwms", SAVE_FREQ),
+    # A parameter-server fit resumes at an epoch's start (Keras' behaviour,
+    # kdist/keras/step_resume.py), so only an end-of-epoch backup resumes exactly.
+    "between_graph_worker": (["--workers", "1", "--ps", "1"], "worker-0", "ps", "epoch"),
+}
+
+
+def draws(case):
+    """The case's kill steps: NUM_DRAWS distinct global steps in 1 .. TOTAL_STEPS - 1."""
+    return sorted(random.Random(f"{SEED}/{case}").sample(range(1, TOTAL_STEPS), NUM_DRAWS))
+
+
+# The restarted between-graph worker's `BackupAndRestore` loads the backup inside `fit`,
+# where the load is not sent to the parameter servers: they keep the state of the kill
+# and the worker pulls it back (iterations end at TOTAL_STEPS + the steps of the
+# resumed epoch trained before the kill). A kdist fix is pending: issue 24.
+PS_RESTORE_PENDING = pytest.mark.xfail(
+    strict=True, reason="a between-graph worker's restore inside fit does not reach the parameter servers"
+)
+MATRIX = [
+    pytest.param(case, step, id=f"{case}-step{step}",
+                 marks=[PS_RESTORE_PENDING] if CASES[case][2] == "ps" else [])
+    for case in CASES for step in draws(case)
+]
+_references = {}
+
+
+def reference(shuffle):
+    if shuffle not in _references:
+        _references[shuffle] = fault_fit.train(shuffle=shuffle)
+    return _references[shuffle]
+
+
+def mismatches(expected, resumed):
+    """Keys whose values differ beyond float32 tolerance (History: the epochs the resumed fit ran)."""
+    assert set(expected) == set(resumed)
+    differing = []
+    for key, value in resumed.items():
+        wanted = expected[key]
+        if key.startswith("history/"):
+            wanted = wanted[len(wanted) - len(value):]
+        if wanted.shape != value.shape or not np.allclose(wanted, value, rtol=2e-5, atol=2e-6):
+            differing.append(key)
+    return differing
+
+
+def run_job(out, case, kill_step, fault=None):
+    """Runs the case's job under the launcher; returns (launcher output, [results per trainer])."""
+    launch_args, victim, mode, save_freq = CASES[case]
+    argv = [
+        sys.executable, "-m", "kdist", "launch", *launch_args, "--max-restarts", "1",
+        "--timeout", str(int(JOB_TIMEOUT - 20)), str(SCRIPT), str(out), "--mode", mode,
+        "--kill-task", victim, "--kill-step", str(kill_step), "--save-freq", str(save_freq),
+    ]
+    if fault:
+        argv += ["--fault", fault]
+    spec = harness.ProcessSpec("launcher", argv, cwd=str(harness.REPO_ROOT))
+    result = harness.run([spec], timeout=JOB_TIMEOUT)
+    launcher = result.output("launcher")
+    assert result.returncodes == {"launcher": 0}, launcher
+    assert (out / "killed").read_text() == str(kill_step), launcher
+    assert f"{victim} (pid " in launcher and ") was killed by SIGKILL; restarting" in launcher, launcher
+    pids = [int(path.read_text()) for path in out.glob("*.pid")]
+    assert harness.wait_until_gone(pids, timeout=10) == []  # no orphans
+    trainers = sorted(path.stem for path in out.glob("worker-*.npz"))
+    return launcher, [dict(np.load(out / f"{name}.npz")) for name in trainers]
+
+
+def resumed_from(launcher, out):
+    """The global step rank 0's restarted fit resumed from, from its one "[kdist] resumed" line."""
+    resumed = RESUMED.findall(launcher)
+    assert len(resumed) == 1 and resumed[0][0] == str(out / "backup"), launcher
+    return int(resumed[0][1]) * fault_fit.STEPS_PER_EPOCH + int(resumed[0][2])
+
+
+@pytest.mark.parametrize("case, kill_step", MATRIX)
+def test_a_process_killed_at_a_drawn_step_restarts_and_ends_equal_to_the_uninterrupted_run(
+    tmp_path, case, kill_step
+):
+    _, victim, mode, save_freq = CASES[case]
+    launcher, ranks = run_job(tmp_path, case, kill_step)
+
+    if mode == "mwms":
+        assert len(ranks) == int(CASES[case][0][1])
+        # At most save_freq steps trained before the kill are trained again.
+        assert kill_step - SAVE_FREQ <= resumed_from(launcher, tmp_path) <= kill_step
+        for other in ranks[1:]:
+            assert mismatches(ranks[0], other) == []
+    else:
+        assert len(ranks) == 1
+        assert "restarting it (1 of 1)" in launcher, launcher  # the worker alone; the ps kept serving
+    expected = reference(shuffle=mode == "mwms")
+    assert mismatches(expected, ranks[0]) == []
+    assert int(ranks[0]["optimizer/0"]) == TOTAL_STEPS  # iterations: each step applied once
+
+
+# A kill after step 18 resumes from the backup at step 16: epoch 1, step 4, mid-epoch,
+# so there are saved steps to skip and a counter that matters.
+NEGATIVE_KILL_STEP = 18
+
+
+@pytest.mark.parametrize("fault", ["unskipped_resume_steps", "resume_without_iterations"])
+def test_negative_controls_fail_the_comparison(tmp_path, fault):
+    launcher, ranks = run_job(tmp_path, "mwms2_rank1", NEGATIVE_KILL_STEP, fault=fault)
+
+    resumed_from(launcher, tmp_path)  # (under unskipped_resume_steps it names step 0 of the epoch)
+    differing = mismatches(reference(shuffle=True), ranks[0])
+    assert "weight/0" in differing and "predict" in differing, differing
+    assert "optimizer/0" in differing, differing  # iterations: 4 steps too many, or counted from 0
+
+
+def test_the_draws_are_seeded_and_cover_both_halves_of_training():
+    assert draws("mwms2_rank0") == draws("mwms2_rank0")
+    steps = [param.values[1] for param in MATRIX]
+    assert len(steps) == NUM_DRAWS * len(CASES)
+    assert min(steps) < TOTAL_STEPS // 2 <= max(steps)
+
