@@ -49,6 +49,7 @@ SCRIPT_STARTED = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -72,6 +73,10 @@ CASES = {
     "mwms2_rank0": (["--nproc", "2"], "worker-0", "mwms", SAVE_FREQ),
     "mwms2_rank1": (["--nproc", "2"], "worker-1", "mwms", SAVE_FREQ),
     "between_graph_worker": (["--workers", "1", "--ps", "1"], "worker-0", "ps", "epoch"),
+    # Coordinator training, one worker, one closure in flight: the chief kills the ps,
+    # which comes back from its checkpoint (taken after every push).
+    "coordinator_ps": (["--ps", "1", "--workers", "1", "--chief", "--ps-checkpoint-every", "1"], "ps-0",
+                       "coordinator", "epoch"),
 }
 QUICK_CASES = ("mwms2_rank0",)
 PHASES = ("interpreter", "imports", "rendezvous", "restore", "first_step")
@@ -104,10 +109,18 @@ def run_trainer(args):
     else:
         resolver = kdist.cluster.TFConfigClusterResolver()
         name, shuffle = f"{resolver.task_type}-{resolver.task_id}", False
-        if resolver.task_type == "ps":
-            kdist.distribute.Server(resolver.cluster_spec(), "ps", resolver.task_id).join()
+        with open(os.path.join(args.out, f"task-{name}.pid"), "w") as file:  # this run's pid, by task
+            file.write(str(os.getpid()))
+        if resolver.task_type in (("ps", "worker") if args.mode == "coordinator" else ("ps",)):
+            # A restarted ps restores its checkpoint before it serves.
+            server = kdist.distribute.Server(resolver.cluster_spec(), resolver.task_type, resolver.task_id)
+            timeline["rendezvous"] = time.time()
+            _append(os.path.join(args.out, f"timeline-{name}.jsonl"), timeline)
+            server.join()
             return 0
         strategy = kdist.ParameterServerStrategy(resolver)
+        if args.mode == "coordinator":
+            kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
     timeline["rendezvous"] = time.time()
     # Not keras.utils.set_random_seed: with TensorFlow installed it imports it to seed
     # it too (seconds at every start). Keras' torch backend seeds from Python's generator.
@@ -128,11 +141,15 @@ def run_trainer(args):
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     marker = os.path.join(args.out, "killed")
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+    first_run = not os.path.exists(marker)
+    # Coordinator training: the chief kills the task (a ps); otherwise a process kills itself.
+    kills = first_run and (args.mode == "coordinator" or name == args.kill_task)
     callbacks = [
         keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=save_freq),
         Timeline(timeline, os.path.join(args.out, f"timeline-{name}.jsonl"),
-                 kill_step=args.kill_step if name == args.kill_task and not os.path.exists(marker) else None,
-                 marker=marker),
+                 kill_step=args.kill_step if kills else None, marker=marker,
+                 pid_file=os.path.join(args.out, f"task-{args.kill_task}.pid") if args.mode == "coordinator"
+                 else None),
     ]
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=callbacks)
     return 0
@@ -144,9 +161,10 @@ def _timeline_callback_class():
     class Timeline(keras.callbacks.Callback):
         """Records when training began and its first step ended; SIGKILLs this process at `kill_step`."""
 
-        def __init__(self, timeline, path, kill_step, marker):
+        def __init__(self, timeline, path, kill_step, marker, pid_file=None):
             super().__init__()
             self.timeline, self.path, self.kill_step, self.marker = timeline, path, kill_step, marker
+            self.pid_file = pid_file  # whom to kill; None: this process
             self.epoch, self.seen = 0, 0
 
         def on_train_begin(self, logs=None):  # after BackupAndRestore's (listed first) restore
@@ -157,18 +175,30 @@ def _timeline_callback_class():
 
         def on_train_batch_end(self, batch, logs=None):
             self.seen += 1
+            now = time.time()
             if self.seen == 1:
-                self.timeline["first_step"] = time.time()
+                self.timeline["first_step"] = now
                 # Keras numbers a resumed epoch's steps from the step the backup holds.
                 self.timeline["first_global_step"] = self.epoch * STEPS_PER_EPOCH + batch + 1
-                with open(self.path, "a") as file:
-                    file.write(json.dumps(self.timeline) + "\n")
+                _append(self.path, self.timeline)
+            if self.kill_step is not None and self.seen == self.kill_step + 1:
+                # The chief's first step after it killed a ps: it needed the ps back.
+                _append(os.path.join(os.path.dirname(self.path), "recovered.jsonl"), {"first_step": now})
             if self.seen == self.kill_step:
+                killed_at = time.time()
                 with open(self.marker, "x") as file:
-                    file.write(json.dumps({"step": self.kill_step, "time": time.time()}))
-                os.kill(os.getpid(), signal.SIGKILL)
+                    file.write(json.dumps({"step": self.kill_step, "time": killed_at}))
+                if self.pid_file is None:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with open(self.pid_file) as file:
+                    os.kill(int(file.read()), signal.SIGKILL)
 
     return Timeline
+
+
+def _append(path, record):
+    with open(path, "a") as file:
+        file.write(json.dumps(record) + "\n")
 
 
 def Timeline(*args, **kwargs):  # noqa: N802  (built once Keras is imported, in the trainer only)
@@ -183,7 +213,8 @@ def kill_steps(case, rounds):
 
 
 def run_case(case, kill_step, directory):
-    """Runs one job; returns the timelines (per process, per run), the kill record and the launch time."""
+    """Runs one job; returns its `timelines` (per process, per run), the `killed` record, the `launched`
+    time, the chief's first step after a ps came back (`recovered`) and the launcher's `log`."""
     launch_args, victim, mode, save_freq = CASES[case]
     command = [
         sys.executable, "-m", "kdist", "launch", *launch_args, "--max-restarts", "1",
@@ -204,7 +235,13 @@ def run_case(case, kill_step, directory):
                 timelines[file_name[len("timeline-"):-len(".jsonl")]] = [json.loads(line) for line in file]
     with open(os.path.join(directory, "killed")) as file:
         killed = json.load(file)
-    return timelines, killed, launched
+    recovered = None
+    recovered_path = os.path.join(directory, "recovered.jsonl")
+    if os.path.exists(recovered_path):
+        with open(recovered_path) as file:
+            recovered = json.loads(file.readline())
+    return {"timelines": timelines, "killed": killed, "launched": launched, "recovered": recovered,
+            "log": result.stderr}
 
 
 def breakdown(run, started):
@@ -221,7 +258,10 @@ def breakdown(run, started):
 
 
 def measure_round(case, kill_step, directory):
-    timelines, killed, launched = run_case(case, kill_step, directory)
+    job = run_case(case, kill_step, directory)
+    timelines, killed, launched = job["timelines"], job["killed"], job["launched"]
+    if CASES[case][2] == "coordinator":
+        return _measure_ps_round(case, job)
     chief = timelines["worker-0"]
     if len(chief) != 2:
         raise RuntimeError(f"case {case}: expected 2 runs of worker-0, got {len(chief)}: {timelines}")
@@ -233,6 +273,39 @@ def measure_round(case, kill_step, directory):
         "steps_lost": killed["step"] - (resumed["first_global_step"] - 1),
         "recovery_breakdown": breakdown(resumed, killed["time"]),
         "cold_start_breakdown": breakdown(cold, launched),
+        "restarted_processes": sorted(name for name, runs in timelines.items() if len(runs) == 2),
+    }
+
+
+LOST_PUSHES = re.compile(r"(ps-\d+) restored its checkpoint of push \d+ .*; (\d+) pushes applied after it are lost")
+
+
+def _measure_ps_round(case, job):
+    """A ps killed by the chief: the restarted ps's start-up, then the chief's first step after the kill."""
+    victim, timelines, killed = CASES[case][1], job["timelines"], job["killed"]
+    runs = timelines.get(victim, [])
+    lost = LOST_PUSHES.search(job["log"])
+    if len(runs) != 2 or job["recovered"] is None or lost is None:
+        raise RuntimeError(f"case {case}: {victim} ran {len(runs)} times, recovered={job['recovered']}, "
+                           f"restore logged: {lost is not None}\n{job['log'][-4000:]}")
+    restarted, chief = runs[1], timelines["chief-0"][0]
+    first_step = job["recovered"]["first_step"]
+    return {
+        "kill_step": killed["step"],
+        "recovery_seconds": first_step - killed["time"],
+        "cold_start_seconds": chief["first_step"] - job["launched"],
+        # Updates applied after the ps's last checkpoint: the work lost, in pushes (steps).
+        "steps_lost": int(lost.group(2)),
+        "recovery_breakdown": {
+            "detect_and_restart_or_launch": restarted["process_started"] - killed["time"],
+            "interpreter": restarted["script_started"] - restarted["process_started"],
+            "imports": restarted["imported"] - restarted["script_started"],
+            "rendezvous": restarted["rendezvous"] - restarted["imported"],  # checkpoint restored, serving
+            "startup": restarted["rendezvous"] - restarted["process_started"],
+            "restore": 0.0,  # in "rendezvous": a ps restores before it serves
+            "first_step": first_step - restarted["rendezvous"],
+        },
+        "cold_start_breakdown": breakdown(chief, job["launched"]),
         "restarted_processes": sorted(name for name, runs in timelines.items() if len(runs) == 2),
     }
 
@@ -295,7 +368,7 @@ def main(argv=None):
     parser.add_argument("--cases", help=f"comma-separated, from {', '.join(CASES)} (default: all)")
     parser.add_argument("--role", choices=["driver", "trainer"], default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=["mwms", "ps"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=["mwms", "ps", "coordinator"], help=argparse.SUPPRESS)
     parser.add_argument("--kill-task", help=argparse.SUPPRESS)
     parser.add_argument("--kill-step", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--save-freq", help=argparse.SUPPRESS)

@@ -42,8 +42,9 @@ def test_a_round_measures_from_the_kill_and_counts_the_steps_trained_again(bench
     launched, killed_at = 1000.0, 1010.0
     timelines = {"worker-0": [_timeline(1000.5), _timeline(1011.0, global_step=9)],
                  "worker-1": [_timeline(1000.6), _timeline(1011.1, global_step=9)]}
-    monkeypatch.setattr(bench, "run_case", lambda case, step, directory: (
-        timelines, {"step": 10, "time": killed_at}, launched))
+    monkeypatch.setattr(bench, "run_case", lambda case, step, directory: {
+        "timelines": timelines, "killed": {"step": 10, "time": killed_at}, "launched": launched,
+        "recovered": None, "log": ""})
 
     measured = bench.measure_round("mwms2_rank0", 10, "unused")
 
@@ -60,10 +61,29 @@ def test_a_round_measures_from_the_kill_and_counts_the_steps_trained_again(bench
 
 
 def test_a_chief_that_ran_once_is_an_error_not_a_figure(bench, monkeypatch):
-    monkeypatch.setattr(bench, "run_case", lambda case, step, directory: (
-        {"worker-0": [_timeline(1000.5)]}, {"step": 10, "time": 1010.0}, 1000.0))
+    monkeypatch.setattr(bench, "run_case", lambda case, step, directory: {
+        "timelines": {"worker-0": [_timeline(1000.5)]}, "killed": {"step": 10, "time": 1010.0},
+        "launched": 1000.0, "recovered": None, "log": ""})
     with pytest.raises(RuntimeError, match="expected 2 runs of worker-0, got 1"):
         bench.measure_round("mwms2_rank0", 10, "unused")
+
+
+def test_a_killed_ps_counts_the_pushes_it_lost_and_waits_for_the_chiefs_next_step(bench, monkeypatch):
+    log = ("[ps-0] ps-0 restored its checkpoint of push 9 (6 variables, versions 9-9) from /x; "
+           "1 pushes applied after it are lost.\n")
+    job = {"timelines": {"ps-0": [_timeline(1000.2), _timeline(1011.0)], "chief-0": [_timeline(1000.5)],
+                         "worker-0": [_timeline(1000.3)]},
+           "killed": {"step": 10, "time": 1010.0}, "launched": 1000.0, "recovered": {"first_step": 1016.0},
+           "log": log}
+    monkeypatch.setattr(bench, "run_case", lambda case, step, directory: job)
+
+    measured = bench.measure_round("coordinator_ps", 10, "unused")
+    assert measured["recovery_seconds"] == pytest.approx(6.0) and measured["steps_lost"] == 1
+    assert measured["recovery_breakdown"]["startup"] == pytest.approx(3.6)
+    assert measured["restarted_processes"] == ["ps-0"]
+    job["log"] = ""  # a ps that did not say what it restored is an error
+    with pytest.raises(RuntimeError, match="restore logged: False"):
+        bench.measure_round("coordinator_ps", 10, "unused")
 
 
 def test_the_target_is_met_under_15_seconds_only_for_the_target_case(bench):

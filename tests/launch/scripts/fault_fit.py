@@ -3,10 +3,13 @@
 fault_fit.py OUTDIR --mode mwms|ps --kill-task NAME --kill-step K [--save-freq epoch|S]
              [--epochs E] [--fault SWITCH]
 
-Every run writes OUTDIR/<pid>.pid. `--mode mwms`: one rank of a
-`MultiWorkerMirroredStrategy` job (names "worker-R"). `--mode ps`: a task of a
-between-graph parameter-server job (`TF_CONFIG`): a ps serves, a worker trains
-with `ParameterServerStrategy`. The trainers run `train()` with
+Every run writes OUTDIR/<pid>.pid (and, with `TF_CONFIG`, OUTDIR/task-<name>.pid).
+`--mode mwms`: one rank of a `MultiWorkerMirroredStrategy` job (names "worker-R").
+`--mode ps`: a task of a between-graph parameter-server job: a ps serves, a
+worker trains with `ParameterServerStrategy`. `--mode coordinator`: ps and
+workers serve, the chief trains with a `ClusterCoordinator` (one closure in
+flight) and kills the task named by `--kill-task` (a ps, a worker, or itself).
+The trainers run `train()` with
 `keras.callbacks.BackupAndRestore(OUTDIR/backup, save_freq=...)`; on its first
 run only (OUTDIR/killed does not exist yet), the process named `--kill-task`
 writes the step to OUTDIR/killed and SIGKILLs itself right after global step K
@@ -72,7 +75,7 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def train(strategy=None, callbacks=(), epochs=EPOCHS, shuffle=True, seed=SEED):
+def train(strategy=None, callbacks=(), epochs=EPOCHS, shuffle=True, seed=SEED, before_collect=None):
     """Builds, trains, evaluates and predicts; returns a dict of numpy results."""
     seed_everything(seed)
     x, y = make_data()
@@ -87,6 +90,8 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, shuffle=True, seed=SEED):
     )
     evaluation = model.evaluate(x[:128], y[:128], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     predictions = model.predict(x[:100], batch_size=GLOBAL_BATCH, verbose=0)
+    if before_collect is not None:
+        before_collect(model)
     results = {}
     # Keyed by position: variable paths carry per-process name counters.
     for i, variable in enumerate(model.weights):
@@ -102,24 +107,30 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, shuffle=True, seed=SEED):
 
 
 class KillAtStep(keras.callbacks.Callback):
-    """SIGKILLs this process after global step `step`, once per job (the marker file says it happened)."""
+    """SIGKILLs a process after global step `step`, once per job (the marker file says it happened).
 
-    def __init__(self, step, marker):
+    The process is this one, or (`pid_file`) the one whose pid that file holds.
+    """
+
+    def __init__(self, step, marker, pid_file=None):
         super().__init__()
-        self.step, self.marker, self.seen = step, marker, 0
+        self.step, self.marker, self.pid_file, self.seen = step, marker, pid_file, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
         if self.seen == self.step:
             with open(self.marker, "x") as file:  # "x": a second kill would mean a second first run
                 file.write(str(self.step))
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.pid_file is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with open(self.pid_file) as file:
+                os.kill(int(file.read()), signal.SIGKILL)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--mode", choices=["mwms", "ps"], required=True)
+    parser.add_argument("--mode", choices=["mwms", "ps", "coordinator"], required=True)
     parser.add_argument("--kill-task", required=True)
     parser.add_argument("--kill-step", type=int, required=True)
     parser.add_argument("--save-freq", default="epoch")
@@ -143,21 +154,38 @@ def main():
     else:
         resolver = kdist.cluster.TFConfigClusterResolver()
         name = f"{resolver.task_type}-{resolver.task_id}"
-        if resolver.task_type == "ps":
-            kdist.distribute.Server(resolver.cluster_spec(), "ps", resolver.task_id).join()
+        with open(os.path.join(args.out, f"task-{name}.pid"), "w") as file:  # this run's pid, by task
+            file.write(str(os.getpid()))
+        serves = ("ps", "worker") if args.mode == "coordinator" else ("ps",)
+        if resolver.task_type in serves:
+            kdist.distribute.Server(resolver.cluster_spec(), resolver.task_type, resolver.task_id).join()
             return 0
         strategy = kdist.ParameterServerStrategy(resolver)
-        rank = resolver.task_id
+        if args.mode == "coordinator":
+            # One closure in flight: a step's push is applied before the next step's pull.
+            kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
+        rank = 0
         # A parameter-server fit resumes at an epoch's start (Keras' behaviour): the
         # same epoch order needs no shuffle.
         shuffle = False
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
     callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=save_freq)]
     marker = os.path.join(args.out, "killed")
-    if name == args.kill_task and not os.path.exists(marker):
+    if args.mode == "coordinator":  # the chief kills the task named, itself included
+        if not os.path.exists(marker):
+            pid_file = None if args.kill_task == name else os.path.join(args.out, f"task-{args.kill_task}.pid")
+            callbacks.append(KillAtStep(args.kill_step, marker, pid_file))
+    elif name == args.kill_task and not os.path.exists(marker):
         callbacks.append(KillAtStep(args.kill_step, marker))
+    read_back = None
+    if args.mode == "coordinator":
+        # A save on the chief reads every variable, slot and the iterations back from the servers.
+        def read_back(model):
+            model.save_weights(os.path.join(args.out, "final.weights.h5"))
+
     results = train(strategy, callbacks=callbacks, epochs=args.epochs, shuffle=shuffle,
-                    seed=SEED + rank)  # only rank 0's seed is the reference's: kdist shares its state
+                    seed=SEED + rank,  # only rank 0's seed is the reference's: kdist shares its state
+                    before_collect=read_back)
     np.savez(os.path.join(args.out, f"{name}.npz"), **results)
     print(f"{name} finished", flush=True)
     return 0
