@@ -36,6 +36,7 @@ from kdist.coordinator import ClusterCoordinator
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
 from kdist.keras.parameter_server.chief_data import EpochSource, IndexedBatches, split_validation
+from kdist.keras.parameter_server import save_points
 from kdist.keras.parameter_server.describers import add_state
 from kdist.keras.progress import CoordinatorStatusLogger, resolve_verbose
 
@@ -155,13 +156,18 @@ def _batch_hook_overridden(callbacks, kind, when, reading_logs=False):
 
 
 def _run_pass(model, coordinator, kind, chunks, callbacks):
-    """Schedules every closure of one pass and merges their metric states in order.
+    """Schedules the closures of one pass and merges their metric states in order.
 
     Batch hooks run only when a callback overrides them (Keras'
     `ProgbarLogger` does, with `verbose != 0`), and logs (a `metric.result()`
     per metric) are computed for a closure only when a batch hook reads them
     (not a `verbose=2` `ProgbarLogger`): nothing else does, and per closure
     they cost more than the merge.
+
+    A save is exact: closures are scheduled ahead only up to the next step
+    at which a saving callback will save (`kdist.keras.parameter_server.save_points`),
+    so when its hook runs every closure up to that step has been applied and
+    none after it was sent. Between saves, every closure is in flight at once.
     """
     on_begin = getattr(callbacks, f"on_{kind}_batch_begin")
     on_end = getattr(callbacks, f"on_{kind}_batch_end")
@@ -169,22 +175,38 @@ def _run_pass(model, coordinator, kind, chunks, callbacks):
     call_end = _batch_hook_overridden(callbacks, kind, "end")
     read_logs = _batch_hook_overridden(callbacks, kind, "end", reading_logs=True)
     merger = _MetricMerger(model)
-    values = [(begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count)))
-              for begin, count, source in chunks]
+    barriers = save_points.barriers(callbacks, chunks) if kind == "train" else set()
+    values = []
+
+    def schedule_through_next_barrier():
+        while len(values) < len(chunks):
+            begin, count, source = chunks[len(values)]
+            values.append((begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count))))
+            if len(values) - 1 in barriers:
+                return
+
     logs = None
     try:
-        for position, (begin, count, value) in enumerate(values):
+        schedule_through_next_barrier()
+        for position in range(len(chunks)):
+            begin, count, value = values[position]
             if call_begin:
                 on_begin(begin)
             states, spec = value.get()
             merger.add(states, spec)
-            last = position == len(values) - 1
-            logs = _results(model) if read_logs or last else None
+            last = position == len(chunks) - 1
+            if position in barriers:
+                # Every closure up to here returned (in order) and none after it
+                # was scheduled: the servers hold exactly these steps.
+                coordinator.join()
+            logs = _results(model) if read_logs or last or position in barriers else None
             if call_end:
                 on_end(begin + count - 1, logs)
             if model.stop_training:
                 logs = _results(model)
                 break
+            if position == len(values) - 1:
+                schedule_through_next_barrier()
         coordinator.join()
     except Exception as error:
         # The coordinator recorded the first fatal error (a closure that was

@@ -180,8 +180,11 @@ class PSSession:
                     )
                 slot.assign(value)
         # The servers count the steps they applied since they started; a
-        # coordinator counts every closure's steps (restored ones included).
-        optimizer.iterations.assign(max(iterations, int(optimizer.iterations.numpy())))
+        # coordinator counts every closure's steps exactly once (restored ones
+        # included), so its count wins even where the servers applied steps
+        # the chief never counted (in flight, or before a chief restart).
+        if not self.strategy.extended.drives_workers:
+            optimizer.iterations.assign(max(iterations, int(optimizer.iterations.numpy())))
 
 
 def session_of(model):
