@@ -54,21 +54,27 @@ CASES = {
 
 
 def draws(case):
-    """The case's kill steps: NUM_DRAWS distinct global steps in 1 .. TOTAL_STEPS - 1."""
-    return sorted(random.Random(f"{SEED}/{case}").sample(range(1, TOTAL_STEPS), NUM_DRAWS))
+    """The case's kill steps: NUM_DRAWS distinct global steps, seeded by the case's name.
+
+    In 1 .. TOTAL_STEPS - 1; for a parameter-server case, after the first backup
+    (the end of epoch 0): before it there is nothing to restore (see NO_BACKUP_PENDING).
+    """
+    first = 1 if CASES[case][2] == "mwms" else fault_fit.STEPS_PER_EPOCH + 1
+    return sorted(random.Random(f"{SEED}/{case}").sample(range(first, TOTAL_STEPS), NUM_DRAWS))
 
 
-# The restarted between-graph worker's `BackupAndRestore` loads the backup inside `fit`,
-# where the load is not sent to the parameter servers: they keep the state of the kill
-# and the worker pulls it back (iterations end at TOTAL_STEPS + the steps of the
-# resumed epoch trained before the kill). A kdist fix is pending: issue 24.
-PS_RESTORE_PENDING = pytest.mark.xfail(
-    strict=True, reason="a between-graph worker's restore inside fit does not reach the parameter servers"
+# A between-graph worker restarted before the first backup has nothing to restore,
+# but the parameter servers keep the state of the kill: its fit starts again from
+# step 0 on top of the steps already applied (the servers are not reset to the
+# initial values). Not exact; kdist's behaviour for this is pending (issue 24).
+NO_BACKUP_PENDING = pytest.mark.xfail(
+    strict=True, reason="a between-graph worker killed before the first backup resumes on the servers' state"
 )
 MATRIX = [
-    pytest.param(case, step, id=f"{case}-step{step}",
-                 marks=[PS_RESTORE_PENDING] if case == "between_graph_worker" else [])
-    for case in CASES for step in draws(case)
+    pytest.param(case, step, id=f"{case}-step{step}") for case in CASES for step in draws(case)
+] + [
+    pytest.param("between_graph_worker", random.Random(SEED).randrange(1, fault_fit.STEPS_PER_EPOCH),
+                 id="between_graph_worker-before_first_backup", marks=NO_BACKUP_PENDING)
 ]
 _references = {}
 
@@ -165,6 +171,6 @@ def test_negative_controls_fail_the_comparison(tmp_path, fault):
 def test_the_draws_are_seeded_and_cover_both_halves_of_training():
     assert draws("mwms2_rank0") == draws("mwms2_rank0")
     steps = [param.values[1] for param in MATRIX]
-    assert len(steps) == NUM_DRAWS * len(CASES)
+    assert len(steps) == NUM_DRAWS * len(CASES) + 1
     assert min(steps) < TOTAL_STEPS // 2 <= max(steps)
 
