@@ -9,9 +9,10 @@ must exit 0 and equal its uninterrupted reference: weights, optimizer slots and
 iterations, evaluate, predict and the History of the epochs the restarted `fit` ran,
 to float32 tolerance. Coordinator cases: the chief kills a ps or the worker of a
 `--ps 1 --workers 1 --chief --ps-checkpoint-every 1` job. A coordinator chief that
-comes back (issue 24 point 5) has no case yet. The reference is plain Keras in this process, computed once
-per training configuration (kdist's synchronous strategies equal it, whatever the
-number of processes). Negative controls: the same job with a resume that trains the
+comes back (issue 24 point 5) has no case yet. The reference is plain Keras in this
+process, computed once per training configuration (shuffled, or not for the
+parameter-server fits): kdist's synchronous strategies equal it whatever the number
+of processes, and so do one-worker parameter-server fits without shuffling. Negative controls: the same job with a resume that trains the
 saved steps again, or that restores the optimizer without its iterations, must fail
 the comparison.
 """

@@ -1,6 +1,6 @@
-"""One process of a job that SIGKILLs itself at a chosen step, for tests/launch/test_fault_matrix.py.
+"""One process of a job in which a process is SIGKILLed at a chosen step, for tests/launch/test_fault_matrix.py.
 
-fault_fit.py OUTDIR --mode mwms|ps --kill-task NAME --kill-step K [--save-freq epoch|S]
+fault_fit.py OUTDIR --mode mwms|ps|coordinator --kill-task NAME --kill-step K [--save-freq epoch|S]
              [--epochs E] [--fault SWITCH]
 
 Every run writes OUTDIR/<pid>.pid (and, with `TF_CONFIG`, OUTDIR/task-<name>.pid).
@@ -15,8 +15,8 @@ run only (OUTDIR/killed does not exist yet), the process named `--kill-task`
 writes the step to OUTDIR/killed and SIGKILLs itself right after global step K
 (counted from 1 across epochs), after that step's backup if one falls there.
 The launcher restarts it; the script has no restart logic beyond the marker.
-At the end each trainer writes OUTDIR/<name>.npz (weights, optimizer and metric
-variables, History, evaluate, predict) and prints "<name> finished".
+At the end each trainer writes OUTDIR/<name>.npz (weights, optimizer variables,
+History, evaluate, predict) and prints "<name> finished".
 
 `--fault SWITCH` turns on a `kdist.faults` switch (a negative control).
 Imported, `train()` with no strategy is the plain-Keras reference.
