@@ -41,8 +41,11 @@ DEFAULT_MAX_STREAMS_PER_PEER = 8
 DEFAULT_STREAM_IDLE_SECONDS = 30.0
 # A parameter server that is gone after having answered (killed, restarting)
 # is waited for this long before a call gives up: `kdist launch` restarts a
-# dead ps within seconds (start-up plus its checkpoint's restore).
-DEFAULT_RECOVERY_TIMEOUT_SECONDS = 90.0
+# dead ps within seconds (1 s delay, start-up ~4-9 s, its restore). Longer would
+# not help coordinator training, whose health checks give a ps 15 s
+# (`ClusterCoordinator(ps_unavailable_seconds=...)`), and would hold a chief
+# whose ps never comes back past that bound.
+DEFAULT_RECOVERY_TIMEOUT_SECONDS = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
