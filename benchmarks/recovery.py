@@ -4,19 +4,24 @@ Each case is a real job under `kdist launch ... --max-restarts 1` training a ~2 
 model (Dense 256-1024-256-10, 528,650 float32 parameters, Adam) with
 `keras.callbacks.BackupAndRestore(save_freq=S)`. One process SIGKILLs itself right
 after a global step drawn by a seeded RNG (its first run only); the launcher
-restarts the job (or, with `--ps`, the worker alone) and `fit` resumes from the backup.
+restarts the job (or, with `--ps`, the process alone) and `fit` resumes from the backup.
 The trainers time themselves and write one JSON line per run to a file: the process
 start (`/proc/self/stat`), the script's first line, after `import kdist, keras,
 torch`, after the strategy is created (torch.distributed rendezvous, or the
 connection to the parameter servers), the start of `fit`'s training (after the
 backup was read), and the end of the first step. One JSON line per case:
 
-- `recovery_seconds`: from the kill (the victim's clock just before `os.kill`) to
-  the end of the first step of the restarted job (the chief's, rank 0's).
+Cases: rank 0 and rank 1 of a 2-process `MultiWorkerMirroredStrategy` job
+(`mwms2_rank0` is the target), a between-graph worker (`--workers 1 --ps 1`), and in
+coordinator training (`--ps 1 --workers 1 --chief --ps-checkpoint-every 1`) the ps
+(killed by the chief; it restores its checkpoint) and the chief itself.
+
+- `recovery_seconds`: from the kill (the killer's clock just before `os.kill`) to
+  the end of the first step after it (rank 0's, or the chief's).
 - `steps_lost`: steps trained before the kill that are trained again (the kill
   step minus the steps the resumed backup holds).
-- `recovery_breakdown`: `detect_and_restart` (kill to the restarted chief's process
-  start: the launcher sees the death, stops the other processes, waits its 1 s
+- `recovery_breakdown`: `detect_and_restart_or_launch` (kill to the restarted
+  process's start: the launcher sees the death, stops the other processes, waits its 1 s
   restart delay, starts the new ones), `startup` (process start to the strategy
   created), split into `interpreter`, `imports` and `rendezvous`, then
   `restore` (model built, backup read) and `first_step` (steps the backup holds
@@ -33,7 +38,7 @@ line, `recovery_summary`, gives the target case's median and verdict.
 
 Usage:
 
-    PYTHONPATH=. python benchmarks/recovery.py           # 3 rounds of every case: about 3 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/recovery.py           # 2 rounds of every case: about 3 minutes on 2 cores
     PYTHONPATH=. python benchmarks/recovery.py --quick   # 1 round of the 2-process job: about 30 s
 """
 
@@ -67,6 +72,7 @@ TARGET_CASE = "mwms2_rank0"
 JOB_TIMEOUT_SECONDS = 240  # a hang fails the benchmark, with the launcher's output
 COLLECTIVE_TIMEOUT_SECONDS = 60.0
 
+COORDINATOR = ["--ps", "1", "--workers", "1", "--chief", "--ps-checkpoint-every", "1"]
 # name: (launcher arguments, the process killed, mode, save_freq). A parameter-server
 # fit resumes at an epoch's start (Keras' behaviour), so its case saves every epoch.
 CASES = {
@@ -75,8 +81,10 @@ CASES = {
     "between_graph_worker": (["--workers", "1", "--ps", "1"], "worker-0", "ps", "epoch"),
     # Coordinator training, one worker, one closure in flight: the chief kills the ps,
     # which comes back from its checkpoint (taken after every push).
-    "coordinator_ps": (["--ps", "1", "--workers", "1", "--chief", "--ps-checkpoint-every", "1"], "ps-0",
-                       "coordinator", "epoch"),
+    "coordinator_ps": (COORDINATOR, "ps-0", "coordinator", "epoch"),
+    # The chief kills itself; --max-restarts restarts it alone and fit restores the
+    # backup's epoch (Keras' behaviour); the ps and the worker keep running.
+    "coordinator_chief": (COORDINATOR, "chief-0", "coordinator", "epoch"),
 }
 QUICK_CASES = ("mwms2_rank0",)
 PHASES = ("interpreter", "imports", "rendezvous", "restore", "first_step")
@@ -207,8 +215,13 @@ def Timeline(*args, **kwargs):  # noqa: N802  (built once Keras is imported, in 
 
 # ----- driver side --------------------------------------------------------------------
 def kill_steps(case, rounds):
-    """The case's kill step per round: seeded, in the first epoch after its first backup."""
+    """The case's kill step per round: seeded, after its first backup, before the last step.
+
+    Cases that save every epoch are killed in the second epoch; the others in the first.
+    """
     rng = random.Random(f"{SEED}/{case}")
+    if CASES[case][3] == "epoch":
+        return [rng.randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH) for _ in range(rounds)]
     return [rng.randrange(SAVE_FREQ + 1, STEPS_PER_EPOCH) for _ in range(rounds)]
 
 
@@ -260,11 +273,12 @@ def breakdown(run, started):
 def measure_round(case, kill_step, directory):
     job = run_case(case, kill_step, directory)
     timelines, killed, launched = job["timelines"], job["killed"], job["launched"]
-    if CASES[case][2] == "coordinator":
+    if CASES[case][1].startswith("ps-"):
         return _measure_ps_round(case, job)
-    chief = timelines["worker-0"]
+    trainer = "chief-0" if CASES[case][2] == "coordinator" else "worker-0"
+    chief = timelines.get(trainer, [])
     if len(chief) != 2:
-        raise RuntimeError(f"case {case}: expected 2 runs of worker-0, got {len(chief)}: {timelines}")
+        raise RuntimeError(f"case {case}: expected 2 runs of {trainer}, got {len(chief)}: {timelines}")
     cold, resumed = chief
     return {
         "kill_step": killed["step"],
@@ -364,7 +378,7 @@ def summary_line(lines, common):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of the 2-process job")
-    parser.add_argument("--rounds", type=int, help="rounds (default 3; 1 with --quick)")
+    parser.add_argument("--rounds", type=int, help="rounds (default 2; 1 with --quick)")
     parser.add_argument("--cases", help=f"comma-separated, from {', '.join(CASES)} (default: all)")
     parser.add_argument("--role", choices=["driver", "trainer"], default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -376,7 +390,7 @@ def main(argv=None):
     if args.role == "trainer":
         return run_trainer(args)
 
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
     if rounds < 1:
         parser.error(f"--rounds must be at least 1. Received: --rounds={rounds}.")
     cases = args.cases.split(",") if args.cases else list(QUICK_CASES if args.quick else CASES)

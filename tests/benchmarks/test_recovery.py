@@ -105,6 +105,9 @@ def test_the_kill_steps_are_seeded_and_fall_after_the_first_backup(bench):
     steps = bench.kill_steps("mwms2_rank0", 5)
     assert steps == bench.kill_steps("mwms2_rank0", 5)
     assert all(bench.SAVE_FREQ < step < bench.STEPS_PER_EPOCH for step in steps)
+    # Cases that save every epoch are killed in the second one, after the first backup.
+    epoch_steps = bench.kill_steps("coordinator_chief", 5)
+    assert all(bench.STEPS_PER_EPOCH < step < 2 * bench.STEPS_PER_EPOCH for step in epoch_steps)
 
 
 def test_quick_mode_prints_a_recovery_line_and_a_summary():
