@@ -72,7 +72,9 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
         wait_for_ready = True
         deadline += client.options.connect_timeout_seconds
     started = time.monotonic()
-    gone_since = None  # when the call found its (earlier reachable) server gone
+    # When this client found its (earlier reachable) server gone: kept across
+    # calls, so that once the window has passed later calls fail at once.
+    gone_since = getattr(client, "_gone_since", None)
     recovery = client.options.recovery_timeout_seconds if name not in _PROBES else 0
     backoff = RETRY_BACKOFF_SECONDS[0]
     slot_backoff = SLOT_BACKOFF_SECONDS[0]
@@ -94,6 +96,7 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
             if (retry and recovery and client._connected
                     and _code(error) == grpc.StatusCode.UNAVAILABLE):
                 gone_since = time.monotonic() if gone_since is None else gone_since
+                client._gone_since = gone_since
                 limit = min(deadline, gone_since - started + recovery)
                 # The last attempt lands on the limit: the window is waited in full.
                 delay = min(random.uniform(backoff / 2, backoff), limit - elapsed)
@@ -114,6 +117,7 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
                 f"{name} had no answer {GRACE_SECONDS:g} s past its deadline and was cancelled",
                 time.monotonic() - started) from None
     client._connected = True
+    client._gone_since = None
     return result
 
 
