@@ -11,6 +11,8 @@ from kdist.ps.client_payload import (
     assignment_payload,
     encode_gradient,
     ids_array,
+    optimizer_state_payload,
+    read_optimizer_state,
     variables_layout,
 )
 from kdist.ps.methods import METHODS
@@ -18,7 +20,6 @@ from kdist.ps.optimizer_host import canonical_config
 from kdist.ps.options import ServiceOptions
 from kdist.ps.security import Security
 from kdist.ps.values import (
-    OptimizerState,
     PushResult,
     ServerStats,
     StalenessStats,
@@ -299,21 +300,23 @@ class VariableClient:
 
     def optimizer_state(self, names):
         """Returns name -> `OptimizerState` (iterations and slots in creation order)."""
-        names = list(names)
+        request = pb.OptimizerStateRequest(names=list(names))
+        return self._call("OptimizerState", request, read_optimizer_state)
 
-        def read(frames):
-            response, values = codec.read_stream(
-                frames, lambda header: [codec.parse_meta(slot.value, "slot")
-                                        for state in header.states for slot in state.slots],
-                "optimizer state response")
-            values = iter(values)
-            return {
-                state.name: OptimizerState(state.iterations,
-                                           {slot.name: next(values) for slot in state.slots})
-                for state in response.states
-            }
+    def load_optimizer_state(self, states):
+        """Sets the optimizer iterations and slots of configured variables (all or nothing).
 
-        return self._call("OptimizerState", pb.OptimizerStateRequest(names=names), read)
+        Args:
+            states: name -> `OptimizerState`, every slot of each variable given
+                (as `optimizer_state` returns them).
+
+        Raises:
+            kdist.errors.ParameterServerError: `FAILED_PRECONDITION` for a
+                variable without an optimizer, `INVALID_ARGUMENT` for a missing,
+                unknown or misshapen slot, `NOT_FOUND` for an unknown variable.
+        """
+        header, arrays = optimizer_state_payload(states)
+        self._call("LoadOptimizerState", lambda: self._stream(header, arrays))
 
     # -- Checkpoints, counters, health -----------------------------------------------------
 

@@ -10,7 +10,7 @@ import numpy as np
 from kdist.errors import InvalidArgumentError
 from kdist.ps import codec
 from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.values import Assignment, DenseGradient, RowGradient
+from kdist.ps.values import Assignment, DenseGradient, OptimizerState, RowGradient, check_name
 
 
 def variables_layout(header):
@@ -62,3 +62,28 @@ def assignment_payload(assignments):
         metas.append(pb.AssignmentMeta(name=assignment.name, value=codec.tensor_meta(array)))
         arrays.append(array)
     return metas, arrays
+
+
+def optimizer_state_payload(states):
+    """`(OptimizerStateHeader, [slot arrays])` of name -> `OptimizerState`."""
+    metas, arrays = [], []
+    for name, state in states.items():
+        check_name(name)
+        slots = [(slot, codec.as_array(value, f"slot {slot!r} of {name!r}"))
+                 for slot, value in state.slots.items()]
+        metas.append(pb.VariableOptimizerState(
+            name=name, iterations=int(state.iterations),
+            slots=[pb.SlotMeta(name=slot, value=codec.tensor_meta(value)) for slot, value in slots]))
+        arrays.extend(value for _, value in slots)
+    return pb.OptimizerStateHeader(states=metas), arrays
+
+
+def read_optimizer_state(frames):
+    """name -> `OptimizerState` from the frames of an `OptimizerState` response."""
+    response, values = codec.read_stream(
+        frames, lambda header: [codec.parse_meta(slot.value, "slot")
+                                for state in header.states for slot in state.slots],
+        "optimizer state response")
+    values = iter(values)
+    return {state.name: OptimizerState(state.iterations, {slot.name: next(values) for slot in state.slots})
+            for state in response.states}

@@ -25,6 +25,7 @@ import keras
 
 from kdist.errors import InvalidArgumentError
 from kdist.ps import dtypes
+from kdist.validation import is_integer
 from kdist.ps.row_updates import CONFIG_KEY, RowUpdates, check_sparse_updates, sparse_refusal
 
 
@@ -185,9 +186,25 @@ class VariableOptimizer:
         """Sets iterations and slot values (a dict name -> array, every slot present).
 
         Raises:
-            kdist.errors.InvalidArgumentError: a slot is missing, unknown, or has
-                the wrong shape or dtype.
+            kdist.errors.InvalidArgumentError: as `check_state`; nothing changes then.
         """
+        self.check_state(iterations, slots)
+        self.optimizer.iterations.assign(iterations)
+        for name, slot in zip(self.slot_names, self.slots):
+            slot.assign(dtypes.to_torch(slots[name]))
+
+    def check_state(self, iterations, slots):
+        """Checks what `load_state` would load, changing nothing.
+
+        Raises:
+            kdist.errors.InvalidArgumentError: negative iterations, or a slot
+                missing, unknown, or of the wrong shape or dtype.
+        """
+        if not is_integer(iterations, minimum=0):
+            raise InvalidArgumentError(
+                f"The iterations of {self.variable.name!r}'s optimizer must be an integer "
+                f">= 0. Received: {iterations!r}."
+            )
         if list(slots) != self.slot_names:
             raise InvalidArgumentError(
                 f"The optimizer of {self.variable.name!r} has slots {self.slot_names}. "
@@ -201,9 +218,6 @@ class VariableOptimizer:
                     f"Slot {name!r} must have shape {expected[0]} and dtype {expected[1]}. "
                     f"Received: shape={value.shape}, dtype={value.dtype}."
                 )
-        self.optimizer.iterations.assign(iterations)
-        for name, slot in zip(self.slot_names, self.slots):
-            slot.assign(dtypes.to_torch(slots[name]))
 
 
 def slot_name(name, taken):

@@ -298,6 +298,33 @@ class VariableServicer:
         ])
         return self._encode(header, [value for _, _, slots in states for _, value in slots])
 
+    def load_optimizer_state(self, frames):
+        metas = []
+
+        def layout(header):
+            metas.extend(header.states)
+            return [codec.parse_meta(slot.value, f"slot {slot.name!r} of {state.name!r}")
+                    for state in header.states for slot in state.slots]
+
+        _, arrays = codec.read_stream(frames, layout, "load optimizer state")
+        self.store.count_bytes(received=sum(array.nbytes for array in arrays))
+        entries = self.store.entries([state.name for state in metas])
+        values = iter(arrays)
+        states = [(state.iterations, {slot.name: next(values) for slot in state.slots})
+                  for state in metas]
+        with self._changing(), locked(entries):
+            # Every state is checked before any is loaded: all or nothing.
+            for entry, (iterations, slots) in zip(entries, states):
+                if entry.optimizer is None:
+                    raise FailedPreconditionError(
+                        f"{entry.describe('Variable')} has no optimizer; call "
+                        "configure_optimizer before loading its state."
+                    )
+                entry.optimizer.check_state(iterations, slots)
+            for entry, (iterations, slots) in zip(entries, states):
+                entry.optimizer.load_state(iterations, slots)
+        return pb.LoadOptimizerStateResponse()
+
     # -- Checkpoints, counters, health ------------------------------------------------
 
     def save(self, request):

@@ -288,6 +288,24 @@ def optimizer_state_request(rng):
     return [pb.OptimizerStateRequest(names=names).SerializeToString()]
 
 
+def load_optimizer_state_request(rng):
+    """Optimizer state no variable accepts: nothing may change (all or nothing)."""
+    states, payload = [], b""
+    if rng.random() < 0.5:  # a state that would be accepted alone, next to a bad one
+        states.append(pb.VariableOptimizerState(name="weights", iterations=7))
+    name = rng.choice(["weights", "embedding", "counter", "missing", ""])
+    value = VARIABLES.get(name, (np.zeros((4, 3), "float32"),))[0]
+    tensor, data = bad_tensor(rng, value.dtype.name, value.shape)
+    slots = rng.choice([[], [pb.SlotMeta(name="momentum", value=tensor)],
+                        [pb.SlotMeta(name="", value=tensor)]])
+    # The fuzzed optimizers are slot-free SGD: a named slot, or no slot and
+    # negative iterations, is a defect for every variable.
+    iterations = -1 if not slots and name in ("weights", "embedding") else 3
+    states.append(pb.VariableOptimizerState(name=name, iterations=iterations, slots=slots))
+    payload += data if slots else b""
+    return framed(pb.LoadOptimizerStateRequest, pb.OptimizerStateHeader(states=states), payload, rng)
+
+
 def checkpoint_request(rng, directories):
     return [pb.CheckpointRequest(directory=rng.choice(directories)).SerializeToString()]
 
@@ -307,6 +325,7 @@ def proto_calls(rng, count, save_directories, restore_directories):
         "Lookup": lambda: lookup_request(rng),
         "ConfigureOptimizer": lambda: configure_request(rng),
         "OptimizerState": lambda: optimizer_state_request(rng),
+        "LoadOptimizerState": lambda: load_optimizer_state_request(rng),
         "Save": lambda: checkpoint_request(rng, save_directories),
         "Restore": lambda: checkpoint_request(rng, restore_directories),
         "Stats": lambda: empty_request(pb.StatsRequest, rng),
@@ -315,7 +334,7 @@ def proto_calls(rng, count, save_directories, restore_directories):
     assert sorted(builders) == sorted(methods), "a method of the service is not fuzzed"
     # Most calls go to the methods that change state.
     weighted = ["Create", "Push", "Push", "Push", "Assign", "Assign", "Lookup", "Pull",
-                "ConfigureOptimizer", "OptimizerState", "Save", "Restore", "Restore", "Stats",
+                "ConfigureOptimizer", "OptimizerState", "LoadOptimizerState", "Save", "Restore", "Restore", "Stats",
                 "Health"]
     calls = []
     for index in range(count):

@@ -48,6 +48,7 @@ import threading
 
 import numpy as np
 
+from kdist.distribute.parameter_server import optimizer_states
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Assignment, DenseGradient, RowGradient, dtypes
@@ -346,19 +347,12 @@ class VariableRouter:
             a partitioned variable's slots are its shards' slots concatenated.
         """
         results = self._per_server(keys_by_server(entries), lambda client, names: client.optimizer_state(names))
-        states = {}
-        for per_server in results.values():
-            states.update(per_server)
-        gathered = []
-        for entry in entries:
-            shards = [states[key] for key in entry.keys]
-            iterations = max(state.iterations for state in shards)
-            slots = {
-                name: np.concatenate([state.slots[name] for state in shards]) if len(shards) > 1 else shards[0].slots[name]
-                for name in shards[0].slots
-            }
-            gathered.append((iterations, slots))
-        return gathered
+        return optimizer_states.gather(entries, results.values())
+
+    def load_optimizer_state(self, entries, states):
+        """Sets the servers' optimizer state of `entries` (configured) from `states`, as read above."""
+        requests = optimizer_states.split(entries, states)
+        self._per_server(requests, lambda client, part: client.load_optimizer_state(part))
 
     def stats(self):
         """`kdist.ps.ServerStats` of every parameter server, by task index."""

@@ -34,7 +34,7 @@ from kdist import faults
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
-from kdist.keras.parameter_server import remote_tables
+from kdist.keras.parameter_server import optimizer_restore, remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.keras.replica import gradient_merge
 from kdist.ps.optimizer_host import slot_name
@@ -363,8 +363,9 @@ def local_call(method, model, name, args, kwargs):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        result = method(model, *args, **kwargs)
-        session.router.assign(session.entries())
+        with optimizer_restore.sending_loaded_state(session, optimizer):
+            result = method(model, *args, **kwargs)
+            session.router.assign(session.entries())
         return result
     if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
         ps_embeddings.mark_tables(model, session.router)

@@ -69,6 +69,11 @@ class VariableServiceStub:
                 request_serializer=variable__service__pb2.OptimizerStateRequest.SerializeToString,
                 response_deserializer=variable__service__pb2.OptimizerStateResponse.FromString,
                 _registered_method=True)
+        self.LoadOptimizerState = channel.stream_unary(
+                '/kdist.ps.v1.VariableService/LoadOptimizerState',
+                request_serializer=variable__service__pb2.LoadOptimizerStateRequest.SerializeToString,
+                response_deserializer=variable__service__pb2.LoadOptimizerStateResponse.FromString,
+                _registered_method=True)
         self.Save = channel.unary_unary(
                 '/kdist.ps.v1.VariableService/Save',
                 request_serializer=variable__service__pb2.CheckpointRequest.SerializeToString,
@@ -143,6 +148,13 @@ class VariableServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadOptimizerState(self, request_iterator, context):
+        """Sets optimizer iterations and slot variables (restoring a backup).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Save(self, request, context):
         """Writes every variable to a directory on the server's file system.
         """
@@ -208,6 +220,11 @@ def add_VariableServiceServicer_to_server(servicer, server):
                     servicer.OptimizerState,
                     request_deserializer=variable__service__pb2.OptimizerStateRequest.FromString,
                     response_serializer=variable__service__pb2.OptimizerStateResponse.SerializeToString,
+            ),
+            'LoadOptimizerState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadOptimizerState,
+                    request_deserializer=variable__service__pb2.LoadOptimizerStateRequest.FromString,
+                    response_serializer=variable__service__pb2.LoadOptimizerStateResponse.SerializeToString,
             ),
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
@@ -419,6 +436,33 @@ class VariableService:
             '/kdist.ps.v1.VariableService/OptimizerState',
             variable__service__pb2.OptimizerStateRequest.SerializeToString,
             variable__service__pb2.OptimizerStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadOptimizerState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kdist.ps.v1.VariableService/LoadOptimizerState',
+            variable__service__pb2.LoadOptimizerStateRequest.SerializeToString,
+            variable__service__pb2.LoadOptimizerStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

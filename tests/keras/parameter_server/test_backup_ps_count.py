@@ -18,12 +18,8 @@ synchronous and equals plain Keras) and real gRPC servers in this process:
 Negative control: the same backup with its optimizer slots lost (zeroed in the
 file) no longer equals the uninterrupted run.
 
-Today the variables pass and the optimizer state does not (marked strict
-xfail, so the mark must go when it is fixed): `load_weights` under
-`ParameterServerStrategy` sends variables to the servers, but the servers have
-no call that takes a variable's optimizer state (slots, iterations) from a
-client, so a restored job's servers start their slots from zero and their
-iterations from 0, on any number of ps (the same number included).
+The optimizer state reaches the servers through `load_weights`
+(`kdist.keras.parameter_server.optimizer_restore`, the `LoadOptimizerState` call).
 """
 
 import shutil
@@ -184,14 +180,6 @@ def split_by_kind(values):
             {k: v for k, v in values.items() if k.startswith("optimizer/")})
 
 
-# Until the servers can be given optimizer state (see the module docstring's last paragraph).
-SLOTS_NOT_RESTORED = pytest.mark.xfail(
-    strict=True,
-    reason="A restored backup's optimizer slots and iterations do not reach the parameter servers: "
-           "load_weights assigns variables only, and kdist.ps has no call that loads a variable's "
-           "optimizer state from a client (VariableOptimizer.load_state is reached only by a "
-           "server's own checkpoint restore).",
-)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +206,6 @@ def test_variables_of_a_two_ps_backup_restore_exactly_on_another_number_of_ps(ba
     assert not np.array_equal(saved[table][::-1], restored[table])
 
 
-@SLOTS_NOT_RESTORED
 @pytest.mark.parametrize("restore", sorted(RESTORES))
 def test_optimizer_state_of_a_two_ps_backup_restores_and_the_run_ends_as_uninterrupted(
         backup, resumed, uninterrupted, restore):
