@@ -92,13 +92,15 @@ PHASES = ("interpreter", "imports", "rendezvous", "restore", "first_step")
 
 # ----- trainer side (`--role trainer`, one process of the job) ------------------------
 def process_start_time():
-    """This process's start (exec) as a Unix time, from /proc (clock ticks since boot)."""
+    """This process's start (exec) as a Unix time, to a clock tick (10 ms).
+
+    /proc/self/stat gives it in ticks since boot; `CLOCK_BOOTTIME` is the same
+    clock now (/proc/stat's `btime` is whole seconds only, too coarse here).
+    """
     with open("/proc/self/stat") as file:
         fields = file.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[19])  # starttime: field 22, counted after "pid (comm)"
-    with open("/proc/stat") as file:
-        boot = next(int(line.split()[1]) for line in file if line.startswith("btime "))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: field 22 of the line
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot)
 
 
 def run_trainer(args):
