@@ -48,12 +48,16 @@ from kdist.errors import (
     ParameterServerUnavailableError,
     PeerAuthenticationError,
 )
+from kdist.ps import client_retry
 from kdist.validation import require_positive_integer, require_seconds
 
 # The coordinator asks every parameter server for its health this often, each
 # answer within the timeout (the bound on noticing a dead one adds both).
 PS_HEALTH_CHECK_SECONDS = 1.0
 PS_HEALTH_TIMEOUT_SECONDS = 2.0
+# `ps_unavailable_seconds` when the clients do not wait for a server to come
+# back (`ServiceOptions.recovery_timeout_seconds=0`).
+DEFAULT_PS_UNAVAILABLE_SECONDS = 15.0
 
 
 class PerWorkerDataset:
@@ -105,9 +109,11 @@ class ClusterCoordinator:
         worker_retry_seconds: how often a lost worker is called again.
         ps_unavailable_seconds: how long a parameter server may fail the
             coordinator's health checks before `join()`/`schedule()` raise
-            `ParameterServerUnavailableError`. Workers that fail to reach a
-            parameter server report it sooner (after the variable client's
-            retries).
+            `ParameterServerUnavailableError`. None (the default): the
+            variable clients' `ServiceOptions.recovery_timeout_seconds`, the
+            time a restarted server has to come back (`kdist launch --ps`
+            restarts one), or 15 s where that is 0. Workers that fail to
+            reach a parameter server report it once their own wait ends.
         closures_in_flight_per_worker: closures sent to a worker before the
             previous one returned. The worker runs them one at a time; the
             second hides the round trip, but two closures sent together may
@@ -136,7 +142,7 @@ class ClusterCoordinator:
             return existing
         return super().__new__(cls)
 
-    def __init__(self, strategy, *, worker_retry_seconds=1.0, ps_unavailable_seconds=15.0,
+    def __init__(self, strategy, *, worker_retry_seconds=1.0, ps_unavailable_seconds=None,
                  closures_in_flight_per_worker=2):
         if getattr(self, "_initialized", False):
             return
@@ -147,6 +153,9 @@ class ClusterCoordinator:
                 f"strategy={strategy!r}."
             )
         worker_retry_seconds = require_seconds("worker_retry_seconds", worker_retry_seconds)
+        if ps_unavailable_seconds is None:
+            windows = [client.options.recovery_timeout_seconds for client in extended.variable_router.clients]
+            ps_unavailable_seconds = max(windows, default=0) or DEFAULT_PS_UNAVAILABLE_SECONDS
         # Infinite: never give up on a parameter server (workers still report theirs).
         ps_unavailable_seconds = require_seconds("ps_unavailable_seconds", ps_unavailable_seconds,
                                                  allow_infinite=True)
@@ -314,6 +323,8 @@ class ClusterCoordinator:
                 except ParameterServerUnavailableError as error:
                     started = failing_since.setdefault(client.address, time.monotonic())
                     if time.monotonic() - started >= self._ps_unavailable_seconds:
+                        # Calls still waiting for it (the chief's own) fail now too.
+                        client_retry.give_up(client)
                         self._queue.fail(ParameterServerUnavailableError(
                             client.address, self._ps_unavailable_seconds, error.detail,
                             elapsed_seconds=time.monotonic() - started))

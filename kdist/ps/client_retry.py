@@ -96,6 +96,8 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
             if (retry and recovery and client._connected
                     and _code(error) == grpc.StatusCode.UNAVAILABLE):
                 gone_since = time.monotonic() if gone_since is None else gone_since
+                # Another call (or `give_up`) may have found it gone earlier.
+                gone_since = min(gone_since, getattr(client, "_gone_since", None) or gone_since)
                 client._gone_since = gone_since
                 limit = min(deadline, gone_since - started + recovery)
                 # The last attempt lands on the limit: the window is waited in full.
@@ -119,6 +121,17 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
     client._connected = True
     client._gone_since = None
     return result
+
+
+def give_up(client):
+    """Ends the wait for `client`'s server: its owner declared it gone for good.
+
+    Calls waiting for it to come back, and later calls that find it
+    unavailable, raise `ParameterServerUnavailableError` at once instead of
+    waiting out `recovery_timeout_seconds`. An answer from the server ends this.
+    """
+    gone = time.monotonic() - client.options.recovery_timeout_seconds
+    client._gone_since = min(gone, getattr(client, "_gone_since", None) or gone)
 
 
 def _attempt(client, name, request, read, remaining, wait_for_ready):
