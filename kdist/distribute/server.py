@@ -239,6 +239,9 @@ class Server:
                     self._server = create_server(
                         self._bind_address, options=options, security=self._security,
                         name=f"{self._job_name}-{self._task_index}",
+                        # Its place in the job: checkpoints of another number
+                        # of servers are re-split (kdist.ps.reshard).
+                        layout=(self._task_index, self._cluster_spec.num_tasks(self._job_name)),
                     )
                 with _serving_lock:
                     _serving.add(self)

@@ -38,7 +38,7 @@ import struct
 import threading
 from pathlib import Path
 
-from kdist.ps import checkpoint
+from kdist.ps import checkpoint, reshard
 from kdist.ps.update_ids import AppliedUpdateIds
 
 logger = logging.getLogger(__name__)
@@ -154,9 +154,12 @@ class Autosaver:
         directory: this server's own directory.
         every: a `kdist.ps.autosave.CheckpointEvery`.
         name: how the log line names the server (e.g. `"ps-1"`).
+        layout: `(ps_index, num_ps)` of this server in its job, or None.
+            With it, every checkpoint records the layout, and a checkpoint of
+            another number of servers is re-split at start (`kdist.ps.reshard`).
     """
 
-    def __init__(self, store, directory, every, name="parameter server"):
+    def __init__(self, store, directory, every, name="parameter server", layout=None):
         self.store = store
         self.every = every
         self.name = name
@@ -172,6 +175,10 @@ class Autosaver:
         self._thread = None
         self.num_saves = 0
         self.restored = None  # the line `restore_at_start` logged
+        self.layout = reshard.check_layout(layout)
+        # A `kdist.ps.reshard.Resharder` while variables come from the
+        # checkpoints of another number of servers, else None.
+        self.reshard = None
 
     # -- Start and stop ------------------------------------------------------------
 
@@ -182,12 +189,16 @@ class Autosaver:
             kdist.errors.InvalidArgumentError: a damaged checkpoint (the server
                 does not start: serving without its variables would be silently
                 different), or a directory that cannot be written.
+            kdist.ps.reshard.CheckpointLayoutError: a checkpoint of another
+                number of servers that cannot be re-split.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         _recover_interrupted_save(self.directory)
+        restore_own, self.reshard = reshard.prepare(self.store, self.directory, self.layout, self.name)
         self._counter = _Counter(self.directory / COUNTER_NAME)
         line = None
-        if Path(self.path, checkpoint.MANIFEST_NAME).is_file():
+        has_own = Path(self.path, checkpoint.MANIFEST_NAME).is_file()
+        if restore_own and has_own:
             num_variables = checkpoint.restore(self.store, self.path)
             extra = checkpoint.read_extra(self.path)
             saved = int(extra.get("applied_pushes", 0))
@@ -208,6 +219,10 @@ class Autosaver:
                     f"{f', moved on by {jump}' if jump else ''}) from {self.path}; {lost_text}.")
             logger.warning("%s", line)
         self._counter.write(self._applied)
+        if self.layout is not None and not (restore_own and has_own):
+            # At once: the layout is on disk (a sibling then knows this server
+            # exists) and a re-split server's old checkpoint is replaced.
+            self.save()
         self.restored = line
         return line
 
@@ -258,6 +273,8 @@ class Autosaver:
 
     def after_push(self):
         """After `applying`, before the answer: saves when the steps interval is due."""
+        if self.reshard is not None:
+            self.reshard.first_push()
         steps = self.every.steps
         if steps is not None and self._applied - self._saved >= steps:
             self.save(only_if_due=True)
@@ -275,6 +292,10 @@ class Autosaver:
                 return  # a concurrent push saved it meanwhile
             extra = {"applied_pushes": applied,
                      "update_ids": self.store.update_ids.snapshot(IDS_IN_CHECKPOINT)}
+            if self.layout is not None:
+                extra.update(reshard.layout_extra(self.layout))
+            if self.reshard is not None:
+                extra.update(self.reshard.extra())
             checkpoint.save(self.store, self.path, extra)
             self._saved = applied
             self.num_saves += 1

@@ -126,7 +126,9 @@ class VariableClient:
                   for item in items]
         header = pb.CreateHeader(items=[
             pb.CreateItem(name=item.name, value=codec.tensor_meta(array), trainable=item.trainable,
-                          initializer=_server_initializer(item.initializer))
+                          initializer=_server_initializer(item.initializer),
+                          shard=None if item.shard is None else pb.ShardOrigin(
+                              full_shape=list(item.shard.full_shape), row_start=int(item.shard.row_start)))
             for item, array in zip(items, arrays)
         ])
         sent = [array for item, array in zip(items, arrays) if item.initializer is None]

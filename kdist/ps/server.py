@@ -73,7 +73,7 @@ class VariableServer:
         return f"VariableServer(address={self.address!r})"
 
 
-def create_server(address="127.0.0.1:0", *, options=None, security=None, name=None):
+def create_server(address="127.0.0.1:0", *, options=None, security=None, name=None, layout=None):
     """Creates, binds and starts a variable-service server.
 
     Args:
@@ -83,6 +83,12 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None, name=No
             threads). Defaults to `ServiceOptions()`.
         security: `Security` (TLS, token) or None for plain text without a token.
         name: how logs name this server (e.g. `"ps-1"`); None: its address.
+        layout: `(ps_index, num_ps)`, this server's place in its job, or None.
+            With checkpoints, they record it, and a server whose directory
+            `ROOT/ps-<ps_index>` (or its siblings `ROOT/ps-<j>`) holds the
+            checkpoints of another number of servers re-splits them by this
+            job's partitioning (`kdist.ps.reshard`). `kdist.distribute.Server`
+            passes it from the cluster spec.
 
     With `options.checkpoint_dir` and `checkpoint_every`, the server restores
     the checkpoint it finds in its directory before it serves, then
@@ -94,7 +100,9 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None, name=No
     Raises:
         kdist.errors.InvalidArgumentError: a malformed address, one that cannot
             be bound (in use, not local), wrong option types, or a damaged
-            checkpoint in `options.checkpoint_dir`.
+            checkpoint in `options.checkpoint_dir`, a bad `layout`, or old
+            checkpoints that cannot be re-split
+            (`kdist.ps.reshard.CheckpointLayoutError`).
 
     Example:
 
@@ -117,7 +125,7 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None, name=No
     autosaver = None
     if options.checkpoint_dir is not None:
         autosaver = Autosaver(store, options.checkpoint_dir, options.checkpoint_every,
-                              name or address)
+                              name or address, layout=layout)
         autosaver.restore_at_start()  # before serving anything
     servicer = VariableServicer(store, options.chunk_bytes, options, autosaver)
     server = grpc.server(

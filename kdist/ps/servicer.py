@@ -121,13 +121,18 @@ class VariableServicer:
         arrays = iter(arrays)
         values = [self._initial_value(item, existing) if item.HasField("initializer") else next(arrays)
                   for item in header.items]
+        # Variables of an old job's checkpoints take their old rows and version (kdist.ps.reshard).
+        resharder = self.autosaver and self.autosaver.reshard
+        values, resharded = resharder.fill(header.items, values) if resharder else (values, {})
         with self._changing():
             results = self.store.create([
                 (item.name, array, item.trainable) for item, array in zip(header.items, values)
             ])
+            if resharder:
+                resharder.created(results, resharded)
         # A table initialised here is never sent back: its creator holds no copy.
         kept = {item.name for item in initialised}
-        kept.update(entry.name for entry, was_created in results if was_created)
+        kept.update(entry.name for entry, was_created in results if was_created and entry.name not in resharded)
         return self._variables_response(
             [entry for entry, _ in results], lambda entry: entry.name not in kept
         )
@@ -275,8 +280,10 @@ class VariableServicer:
     # -- Optimizers -----------------------------------------------------------------
 
     def configure_optimizer(self, request):
+        resharder = self.autosaver and self.autosaver.reshard
         with self._changing():
-            self.store.configure_optimizer(request.config_json, list(request.names))
+            (resharder.configure if resharder else self.store.configure_optimizer)(
+                request.config_json, list(request.names))
         return pb.ConfigureOptimizerResponse()
 
     def optimizer_state(self, request):

@@ -66,6 +66,8 @@ class VariableInit:
     value: Any
     trainable: bool = True
     initializer: "ServerInitializer | None" = None
+    # Where this shard lies in the whole variable (`ShardOrigin`), or None.
+    shard: "ShardOrigin | None" = None
 
     def __post_init__(self):
         check_name(self.name)
@@ -86,6 +88,22 @@ class ServerInitializer:
     """
 
     config_json: str
+    full_shape: tuple
+    row_start: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOrigin:
+    """Where a created shard lies in its whole variable.
+
+    A server that restores the checkpoints of another number of servers
+    (`kdist.ps.reshard`) fills the shard from these rows of the old variable.
+
+    Attributes:
+        full_shape: the whole variable's shape.
+        row_start: the shard's first row in the whole variable (0 for a whole variable).
+    """
+
     full_shape: tuple
     row_start: int = 0
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kdist.ps import VariableInit, dtypes
-from kdist.ps.values import ServerInitializer
+from kdist.ps.values import ServerInitializer, ShardOrigin
 
 
 def server_keys(index, placement):
@@ -94,7 +94,11 @@ class Route:
                 initializer = ServerInitializer(initializer_json, tuple(placement.shape), shard.row_start)
             else:
                 part, initializer = placement.shard_part(position, value), None
-            item = VariableInit(self.keys[position], part, trainable=self.trainable, initializer=initializer)
+            # Every shard says where it lies: a server restoring the checkpoints
+            # of another number of servers fills it from those rows (kdist.ps.reshard).
+            origin = ShardOrigin(tuple(placement.shape), shard.row_start if placement.is_partitioned else 0)
+            item = VariableInit(self.keys[position], part, trainable=self.trainable,
+                                initializer=initializer, shard=origin)
             requests.setdefault(shard.ps_index, []).append((position, item))
         return requests
 
