@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,3 +143,30 @@ def test_a_job_relaunched_on_another_number_of_processes_equals_the_uninterrupte
     output = run_job(relaunch, control, "--fault", "unskipped_resume_steps")
     assert resumed_position(output, control) == (epoch, 0)
     assert "weight/0" in mismatches(reference, results(control, num_after))
+
+
+PER_RANK_SCRIPT = str(Path(__file__).parent / "scripts" / "per_rank_resume.py")
+
+
+def _launch_per_rank(nproc, out_dir, stop_at):
+    argv = [sys.executable, "-m", "kdist", "launch", "--nproc", str(nproc), "--grace", "2",
+            PER_RANK_SCRIPT, str(out_dir), str(stop_at)]
+    return subprocess.run(argv, cwd=str(harness.REPO_ROOT), capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.timeout(400)
+def test_a_mid_epoch_backup_of_input_split_per_rank_is_refused_on_another_world_size(tmp_path):
+    # The first job stops in epoch 0 right after its backup of step 4 (save_freq=2).
+    first = _launch_per_rank(2, tmp_path, stop_at=3)
+    assert first.returncode == 3, first.stderr[-3000:]
+
+    resumed = _launch_per_rank(3, tmp_path, stop_at=-1)
+
+    assert resumed.returncode != 0, resumed.stderr[-3000:]
+    assert "InvalidArgumentError" in resumed.stderr, resumed.stderr[-3000:]
+    assert "by a job of 2 processes; this job has 3, and its input is split per rank" in resumed.stderr
+    # Control: the same backup on the same number of processes resumes.
+    same = _launch_per_rank(2, tmp_path, stop_at=-1)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "resumed from backup" in same.stderr and "epoch 0, step 4" in same.stderr, same.stderr[-3000:]

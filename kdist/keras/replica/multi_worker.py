@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kdist import atomic_files
-from kdist.errors import KdistError
+from kdist.errors import InvalidArgumentError, KdistError
 from kdist.keras import _compat, atomic_save
 from kdist.keras.replica import gradient_accumulation, per_rank_input
 
@@ -73,6 +73,9 @@ def synchronised_iterable(epoch_iterator, iterable):
     local[world_size + collectives.rank] = int(reading.per_rank)
     (reduced,) = collectives.all_reduce_sum([local], name="num_batches")
     counts = [int(count) for count in reduced[:world_size].tolist()]
+    resumed_from, _active.resumed_from = getattr(_active, "resumed_from", None), None
+    if resumed_from is not None and all(reduced[world_size:].tolist()):
+        raise _per_rank_resume_error(resumed_from, world_size)
     if all(reduced[world_size:].tolist()):
         if len(set(counts)) > 1:
             raise per_rank_input.uneven_lengths_error(reading, counts)
@@ -255,7 +258,8 @@ def _make_backup_collective(callback, strategy):
         model = callback.model
         # The class's save_weights: the instance's is the collective version.
         save_weights = lambda path: atomic_files.write_via(path, lambda tmp: type(model).save_weights(model, tmp, overwrite=True))  # noqa: E731
-        atomic_save.write_backup(callback, save_weights, {_RANDOM_STATE_KEY: random_state()})
+        extra = {_RANDOM_STATE_KEY: random_state(), _PROCESSES_KEY: strategy.extended.num_input_pipelines}
+        atomic_save.write_backup(callback, save_weights, extra)
 
     def _save_model():
         gradient_accumulation.flush(callback.model)
@@ -266,11 +270,19 @@ def _make_backup_collective(callback, strategy):
 
     def on_train_begin(logs=None):
         original_begin(logs)  # every rank restores weights and the initial epoch
+        _active.resumed_from = None
         if os.path.exists(paths.metadata):
             with open(paths.metadata) as reader:
-                saved = json.load(reader).get(_RANDOM_STATE_KEY)
+                metadata = json.load(reader)
+            saved = metadata.get(_RANDOM_STATE_KEY)
             if saved is not None:
                 set_random_state(saved)
+            # A mid-epoch backup of another number of processes: fine for global
+            # batches, refused for input split per rank (`synchronised_iterable`).
+            processes = metadata.get(_PROCESSES_KEY)
+            steps = (metadata.get(STEP_STATE_KEY) or {}).get("steps")
+            if steps and processes not in (None, strategy.extended.num_input_pipelines):
+                _active.resumed_from = (callback.backup_dir, processes, metadata["epoch"], steps)
 
     def on_train_end(logs=None):
         run_on_chief(strategy, lambda: original_end(logs), "BackupAndRestore.on_train_end")
@@ -284,6 +296,22 @@ def _make_backup_collective(callback, strategy):
 # The random state travels with the backup so a resumed job shuffles its
 # remaining epochs exactly as the uninterrupted job would have.
 _RANDOM_STATE_KEY = "kdist_random_state"
+# The number of processes (input pipelines) of the job that wrote a backup.
+_PROCESSES_KEY = "kdist_processes"
+STEP_STATE_KEY = "kdist_step"  # `kdist.keras.step_resume.STATE_KEY`
+
+
+def _per_rank_resume_error(resumed_from, world_size):
+    backup_dir, processes, epoch, steps = resumed_from
+    return InvalidArgumentError(
+        f"BackupAndRestore({backup_dir!r}) holds a backup taken at epoch {epoch}, step {steps} by a "
+        f"job of {processes} processes; this job has {world_size}, and its input is split per rank, "
+        f"so the global batches (each rank's batches joined) depend on the number of processes and "
+        f"skipping the saved steps would skip other samples than those the backup trained on. "
+        f"Relaunch with {processes} processes, feed global batches (arrays, a PyDataset, a DataLoader "
+        "without a DistributedSampler), or resume from a backup taken at an epoch's end "
+        "(save_freq='epoch')."
+    )
 
 
 def random_state():
