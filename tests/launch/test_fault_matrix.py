@@ -71,7 +71,7 @@ def draws(case):
 # A between-graph worker restarted before the first backup has nothing to restore,
 # but the parameter servers keep the state of the kill: its fit starts again from
 # step 0 on top of the steps already applied (the servers are not reset to the
-# initial values). Not exact; kdist's behaviour for this is pending (issue 24).
+# initial values). Not exact, as documented (docs/parameter_server.md, "A worker that dies").
 NO_BACKUP_PENDING = pytest.mark.xfail(
     strict=True, reason="a between-graph worker killed before the first backup resumes on the servers' state"
 )
