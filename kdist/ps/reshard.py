@@ -30,37 +30,31 @@ the source; the new layout wins for everything it holds. At the first push,
 server 0 logs, in one line, the old variables this job created nowhere.
 """
 
-import json
 import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
-
-import numpy as np
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, codec, dtypes
+from kdist.ps import checkpoint, dtypes, reshard_source
 from kdist.ps.optimizer_host import canonical_config, config_differences
+from kdist.ps.reshard_source import (  # noqa: F401  (CheckpointLayoutError: part of this module's API)
+    CHECKPOINT_NAME,
+    LAYOUT_KEY,
+    PREVIOUS_NAME,
+    SIBLING_PREFIX,
+    CheckpointLayoutError,
+)
 from kdist.ps.status import FailedPreconditionError
 from kdist.ps.variable_entry import locked
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_KEY = "layout"  # in a checkpoint's extra: {"ps_index": i, "num_ps": K}
 SOURCE_KEY = "reshard_source"  # {"num_ps": K_old, "origins": {server key: row_start}}
-CHECKPOINT_NAME = "checkpoint"  # as kdist.ps.autosaver
-PREVIOUS_NAME = "previous-layout"
-SIBLING_PREFIX = "ps-"
-_PART = re.compile(r"^(?P<key>.+)/part_(?P<part>\d+)$")
-
-
-class CheckpointLayoutError(InvalidArgumentError):
-    """The checkpoints of another number of parameter servers cannot be re-split (missing or inconsistent parts)."""
 
 
 def layout_extra(layout):
@@ -104,20 +98,20 @@ def prepare(store, directory, layout, name):
     for partial in directory.glob(f".{PREVIOUS_NAME}.*"):
         shutil.rmtree(partial, ignore_errors=True)  # a copy killed half-way
     own_path = directory / CHECKPOINT_NAME
-    own = _read_manifest(own_path)
-    own_count = _num_ps(own)
+    own = reshard_source.read_manifest(own_path)
+    own_count = reshard_source.layout_count(own)
     root = directory.parent if directory.name == f"{SIBLING_PREFIX}{layout[0]}" else None
     if own is not None and own_count in (None, layout[1]):
         marker = own.get("extra", {}).get(SOURCE_KEY)
         if marker is None:
             return True, None
-        source = Source.find(root, int(marker["num_ps"]), layout[1], directory)
+        source = reshard_source.Source.find(root, int(marker["num_ps"]), layout[1], directory)
         return True, Resharder(store, source, layout, name, marker.get("origins", {}))
     if own is not None:
         old_count = own_count
     else:
-        counts = {_num_ps(found[1]) for found in
-                  (_candidate(sibling, layout[1]) for sibling in _siblings(root)) if found}
+        counts = {reshard_source.layout_count(found[1]) for found in
+                  (reshard_source.candidate(sibling, layout[1]) for sibling in _siblings(root)) if found}
         if not counts:
             return True, None  # a new job: nothing to restore
         if len(counts) > 1:
@@ -127,7 +121,7 @@ def prepare(store, directory, layout, name):
                 "restore. Keep the checkpoints of one job there, or start from an empty directory."
             )
         old_count = counts.pop()
-    source = Source.find(root, old_count, layout[1], directory)
+    source = reshard_source.Source.find(root, old_count, layout[1], directory)
     if own is not None:
         _preserve(directory, own_path)
     logger.warning("%s re-splits the checkpoints of %d parameter servers at %s (%d variables) by "
@@ -168,7 +162,7 @@ class Resharder:
         existing = set(self.store.names())
         filled, resharded = list(values), {}
         for position, (item, value) in enumerate(zip(items, values)):
-            key, part = _split(item.name)
+            key, part = reshard_source.split(item.name)
             old = self.source.variables.get(key)
             if old is None or item.name in existing:
                 continue
@@ -221,9 +215,9 @@ class Resharder:
         self._reported = True
         created = set()
         for index in range(self.layout[1]):
-            manifest = _read_manifest(self.source.root / f"{SIBLING_PREFIX}{index}" / CHECKPOINT_NAME)
-            if _num_ps(manifest) == self.layout[1]:
-                created.update(_split(record["name"])[0] for record in manifest["variables"])
+            manifest = reshard_source.read_manifest(self.source.root / f"{SIBLING_PREFIX}{index}" / CHECKPOINT_NAME)
+            if reshard_source.layout_count(manifest) == self.layout[1]:
+                created.update(reshard_source.split(record["name"])[0] for record in manifest["variables"])
         unused = sorted(set(self.source.variables) - created)
         if unused:
             shown = ", ".join(unused[:20]) + (f" and {len(unused) - 20} more" if len(unused) > 20 else "")
@@ -258,7 +252,7 @@ class Resharder:
         return row_start
 
     def _check_config(self, entry, config_json):
-        old = self.source.variables[_split(entry.name)[0]]
+        old = self.source.variables[reshard_source.split(entry.name)[0]]
         if old.optimizer is not None and old.optimizer["config"] != config_json:
             raise FailedPreconditionError(
                 f"{entry.describe('Variable')} had another optimizer in the old checkpoints at "
@@ -268,7 +262,7 @@ class Resharder:
             )
 
     def _optimizer_state(self, entry):
-        old = self.source.variables[_split(entry.name)[0]]
+        old = self.source.variables[reshard_source.split(entry.name)[0]]
         if old.optimizer is None:
             return None  # the old job never configured one: fresh slots, as it had
         start = self.origins[entry.name]
@@ -283,205 +277,11 @@ class Resharder:
         return iterations, slots
 
 
-class _Part:
-    """One old server's part of a variable: its record and memory-mapped arrays."""
-
-    def __init__(self, directory, record):
-        self.directory, self.record = directory, record
-        dtype = codec.numpy_dtype(record["dtype"])
-        self.value = _open(directory, record["file"], dtype.name)
-        if self.value.dtype != dtype or list(self.value.shape) != list(record["shape"]):
-            raise ValueError(f"{record['file']} holds {self.value.dtype}{list(self.value.shape)}, "
-                             f"expected {dtype.name}{record['shape']}")
-        optimizer = record["optimizer"]
-        self.slots = [] if optimizer is None else [
-            _open(directory, slot["file"]) for slot in optimizer["slots"]]
-
-    @property
-    def rows(self):
-        return self.value.shape[0] if self.value.ndim else 0
-
-
-class OldVariable:
-    """A logical variable of the old job: its parts in order, concatenated along axis 0."""
-
-    def __init__(self, key, parts, where):
-        self.key = key
-        first = parts[0]
-        self.dtype, self.trainable = first.value.dtype, bool(first.record["trainable"])
-        self.optimizer = first.record["optimizer"]
-        for part in parts:
-            if (part.value.dtype != self.dtype or part.value.shape[1:] != first.value.shape[1:]
-                    or bool(part.record["trainable"]) != self.trainable
-                    or (part.value.ndim == 0 and len(parts) > 1)
-                    or _config(part.record) != _config(first.record)):
-                raise CheckpointLayoutError(
-                    f"The parts of {key!r} in the parameter-server checkpoints at {where!r} do not "
-                    f"fit together: {part.record['name']!r} in {str(part.directory)!r} is "
-                    f"{part.value.dtype}{list(part.value.shape)} (trainable={part.record['trainable']}, "
-                    f"optimizer {_config(part.record)!r}), {first.record['name']!r} is "
-                    f"{self.dtype}{list(first.value.shape)}. Restore every server's checkpoint of one job."
-                )
-        self.shape = ((sum(part.rows for part in parts),) + first.value.shape[1:]
-                      if first.value.ndim else ())
-        self.version = max(int(part.record["version"]) for part in parts)
-        self.parts, start = [], 0
-        for part in parts:
-            self.parts.append((start, part))
-            start += part.rows
-
-    def overlapping(self, start, stop):
-        """`[(row_start, part)]` of the parts holding rows `[start, stop)` (the only part of a scalar)."""
-        if not self.shape:
-            return self.parts
-        return [(first, part) for first, part in self.parts
-                if first < stop and start < first + part.rows] or self.parts[:1]
-
-
-class Source:
-    """The variables of an old job's checkpoints, by logical key (`"v3"`).
-
-    Attributes:
-        root: the directory holding `ps-0`, `ps-1`, ...
-        num_ps: the old number of servers.
-        directories: the checkpoint read for each old server.
-        variables: `{key: OldVariable}`.
-    """
-
-    def __init__(self, root, num_ps, directories, manifests):
-        self.root, self.num_ps, self.directories = root, num_ps, directories
-        grouped = {}
-        try:
-            for directory, manifest in zip(directories, manifests):
-                for record in manifest["variables"]:
-                    key, part = _split(record["name"])
-                    grouped.setdefault(key, {})[part] = _Part(directory, record)
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointLayoutError(
-                f"The parameter-server checkpoints at {str(root)!r} are damaged: "
-                f"{type(error).__name__}: {error}."
-            ) from None
-        self.variables = {}
-        for key, parts in grouped.items():
-            numbers = sorted(parts, key=lambda part: -1 if part is None else part)
-            if numbers != [None] and numbers != list(range(len(numbers))):
-                raise CheckpointLayoutError(
-                    f"The parameter-server checkpoints at {str(root)!r} hold parts "
-                    f"{['whole' if n is None else n for n in numbers]} of {key!r}; expected parts "
-                    f"0 to {len(numbers) - 1}. A part is missing: restore every server's checkpoint "
-                    "of one job."
-                )
-            self.variables[key] = OldVariable(key, [parts[n] for n in numbers], str(root))
-
-    @classmethod
-    def find(cls, root, num_ps, new_num_ps, own_directory):
-        """The source of the `num_ps` servers under `root` (retried once if a sibling replaced a file meanwhile).
-
-        Raises:
-            CheckpointLayoutError: no sibling directories, a server's checkpoint missing, or damaged parts.
-        """
-        if root is None:
-            raise CheckpointLayoutError(
-                f"The checkpoint in {str(own_directory)!r} was written by a job of {num_ps} "
-                f"parameter servers, not {new_num_ps}; re-splitting it needs every old server's "
-                f"directory next to it, named {SIBLING_PREFIX}<index> (kdist launch "
-                "--ps-checkpoint-dir does that). Rename the directories, or start from an empty one."
-            )
-        for attempt in range(2):
-            try:
-                found = [_candidate(root / f"{SIBLING_PREFIX}{index}", new_num_ps, num_ps, index)
-                         for index in range(num_ps)]
-                missing = [str(root / f"{SIBLING_PREFIX}{index}")
-                           for index, item in enumerate(found) if item is None]
-                if missing:
-                    raise CheckpointLayoutError(
-                        f"Re-splitting the checkpoints of {num_ps} parameter servers at {str(root)!r} "
-                        f"needs each server's checkpoint; none of that job is in {missing}. Restore "
-                        "them, or start from an empty checkpoint directory."
-                    )
-                return cls(root, num_ps, [path for path, _ in found], [m for _, m in found])
-            except CheckpointLayoutError as error:
-                if attempt or not isinstance(error.__context__, FileNotFoundError):
-                    raise
-                time.sleep(0.2)  # a sibling moved its old checkpoint aside meanwhile
-        raise AssertionError("unreachable")
-
-    def rows(self, old, start, stop, like):
-        """Rows `[start, stop)` of `old`'s value as a new array (of a scalar: the value)."""
-        return self._gather(old, start, stop, lambda part: part.value, like.dtype, like.shape)
-
-    def slot_rows(self, old, position, dtype_name, start, stop, entry):
-        """Rows `[start, stop)` of `old`'s slot at `position`, read back as `dtype_name`."""
-        def slot(part):
-            value = dtypes.from_storable(part.slots[position], dtype_name)
-            if value.shape != part.value.shape and not (len(old.parts) == 1 and entry.shape == old.shape):
-                raise InvalidArgumentError(
-                    f"Slot {position} of {old.key!r} in {str(part.directory)!r} has shape "
-                    f"{value.shape}, not its variable's {part.value.shape}, so it cannot be re-split "
-                    f"into {entry.describe('variable')}. Use the old number of parameter servers."
-                )
-            return value
-        parts = old.overlapping(start, stop)
-        if len(parts) == 1 and old.shape and slot(parts[0][1]).shape != parts[0][1].value.shape:
-            return np.array(slot(parts[0][1]))  # a whole variable's slot of its own shape
-        return self._gather(old, start, stop, slot, None, None)
-
-    @staticmethod
-    def _gather(old, start, stop, array_of, dtype, shape):
-        if not old.shape:
-            return np.array(array_of(old.parts[0][1]))
-        pieces = [array_of(part)[max(start, first) - first: min(stop, first + part.rows) - first]
-                  for first, part in old.overlapping(start, stop)]
-        joined = np.concatenate(pieces) if len(pieces) > 1 else np.array(pieces[0])
-        return joined if dtype is None else joined.astype(dtype, copy=False).reshape(shape)
-
-
-def _split(name):
-    match = _PART.match(name)
-    return (name, None) if match is None else (match["key"], int(match["part"]))
-
-
-def _config(record):
-    return None if record["optimizer"] is None else record["optimizer"]["config"]
-
-
-def _open(directory, file_name, dtype_name=None):
-    if Path(file_name).name != file_name:
-        raise ValueError(f"file name {file_name!r} is not a plain name")
-    array = np.load(directory / file_name, mmap_mode="r", allow_pickle=False)
-    return array if dtype_name is None else dtypes.from_storable(array, dtype_name)
-
-
-def _read_manifest(path):
-    try:
-        manifest = json.loads((Path(path) / checkpoint.MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == checkpoint.FORMAT else None
-
-
-def _num_ps(manifest):
-    layout = (manifest or {}).get("extra", {}).get(LAYOUT_KEY)
-    return None if not isinstance(layout, dict) else layout.get("num_ps")
-
-
 def _siblings(root):
     if root is None or not root.is_dir():
         return []
     return [path for path in root.iterdir()
             if path.is_dir() and re.fullmatch(rf"{SIBLING_PREFIX}\d+", path.name)]
-
-
-def _candidate(sibling, new_num_ps, num_ps=None, index=None):
-    # The checkpoint of another layout in `sibling`, else its preserved previous one.
-    for name in (CHECKPOINT_NAME, PREVIOUS_NAME):
-        manifest = _read_manifest(sibling / name)
-        count = _num_ps(manifest)
-        layout = (manifest or {}).get("extra", {}).get(LAYOUT_KEY, {})
-        if count is not None and count != new_num_ps and (
-                num_ps is None or (count == num_ps and layout.get("ps_index") == index)):
-            return sibling / name, manifest
-    return None
 
 
 def _preserve(directory, own_path):
