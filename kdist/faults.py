@@ -80,6 +80,9 @@ class FaultInjection:
             the backup already holds again (Keras' own behaviour).
         resume_without_iterations: a resumed `fit` restores the optimizer's
             slots but starts its `iterations` counter again from 0.
+        unfenced_chief_restart: a coordinator `fit` restores its backup
+            without first opening its session on every worker, so a closure
+            a dead chief left running there may push after the restore.
     """
 
 
@@ -108,6 +111,7 @@ class FaultInjection:
     unsummed_duplicate_ids: bool = False
     unskipped_resume_steps: bool = False
     resume_without_iterations: bool = False
+    unfenced_chief_restart: bool = False
 
 
 ACTIVE = FaultInjection()

@@ -291,6 +291,18 @@ class ClusterCoordinator:
         stats["workers_available"] = sum(dispatcher.available for dispatcher in self._dispatchers)
         return stats
 
+    def open_worker_sessions(self):
+        """Opens this coordinator's session on every worker that answers; returns how many answered.
+
+        A worker runs its work in arrival order and skips a closure whose
+        caller is gone, so when this returns, closures that an earlier
+        coordinator (a chief that died and was restarted) left queued or
+        running on these workers have ended and push nothing more. Call it
+        before restoring a checkpoint onto the parameter servers; a
+        coordinator `model.fit` does, before `BackupAndRestore` restores.
+        """
+        return sum(dispatcher.open_session() for dispatcher in self._dispatchers)
+
     def shutdown(self):
         """Stops the dispatchers (closures still queued are not run)."""
         self._stopped.set()

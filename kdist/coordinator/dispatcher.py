@@ -119,6 +119,31 @@ class Dispatcher:
     def close(self):
         self._channel.close()
 
+    def open_session(self):
+        """Opens the coordinator's session on this worker if it answers; True when the session is open.
+
+        The worker runs this Define after every Run that reached it before
+        and skips those whose caller is gone, so when it returns, closures a
+        previous coordinator (a chief that died) left there have ended. A
+        worker that does not answer runs nothing of anyone's.
+        """
+        with self._lock:
+            if self.instance_id is None and not self._connect():
+                return False
+            if self.defined is not None:
+                return True
+            try:
+                self._call(self._stub.Define, pb.DefineRequest(
+                    session_id=self.context.session_id, instance_id=self.instance_id, resources=[]))
+            except (WorkerUnavailableError, _Redefine):
+                # Lost, or restarted since the health check (a new process ran nothing
+                # old): the dispatcher threads connect again.
+                self.instance_id = None
+                self.defined = None
+                return False
+            self.defined = set()
+            return True
+
     def _loop(self):
         context = self.context
         queue = context.queue

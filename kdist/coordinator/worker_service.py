@@ -4,7 +4,11 @@ A `worker` task starts this service (`kdist server --job worker`, or
 `kdist.distribute.Server(spec, "worker", i)`) and waits. A coordinator opens a
 session on it, defines resources (Define) and runs closures (Run). All work of
 a worker runs on one thread, in arrival order, so Keras and torch state is
-never touched by two threads at once.
+never touched by two threads at once. A Run whose caller is gone by its
+turn (the chief died) is skipped, and a Define that opens a new session runs
+after everything that arrived before it: when a restarted chief's Define
+returns (`ClusterCoordinator.open_worker_sessions`), the dead chief's
+closures on this worker have ended.
 
 What a resource *is* — a Keras model rebuilt from its config, an optimizer
 whose `apply` pushes to the parameter servers, a per-worker dataset — is the
@@ -149,6 +153,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._session = None
         self._lock = threading.Lock()
         self.closures_run = 0
+        self.closures_skipped = 0
 
     def close(self):
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -165,7 +170,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     def Run(self, request, context):
         self._check_instance(request, context)
-        response = self._executor.submit(self._run, request).result()
+        response = self._executor.submit(self._run, request, context).result()
         if isinstance(response, tuple):
             context.abort(*response)
         return response
@@ -202,7 +207,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 )
         return None
 
-    def _run(self, request):
+    def _run(self, request, context):
+        if not context.is_active():
+            # Its caller is gone (a chief that died, or a dispatcher that gave up
+            # on this worker and queued the closure again): nobody reads the result,
+            # and its pushes would land after a new chief restored its backup.
+            self.closures_skipped += 1
+            return grpc.StatusCode.CANCELLED, "the caller of this Run is gone; the closure was not run"
         session = self._session
         if session is None or session.id != request.session_id:
             return grpc.StatusCode.FAILED_PRECONDITION, f"session {request.session_id!r} is not open on this worker"
@@ -265,7 +276,7 @@ class WorkerServer:
     Attributes:
         port: the bound port.
         address: `"host:port"` as clients reach it.
-        servicer: the `WorkerServicer` (its `instance_id`, `closures_run`).
+        servicer: the `WorkerServicer` (its `instance_id`, `closures_run`, `closures_skipped`).
     """
 
     def __init__(self, server, servicer, host, port):

@@ -20,9 +20,17 @@ batches from the same shuffled input and drops them (nothing trains on them,
 no callback sees them), restores the random state of the save, and Keras runs
 the epoch on from step `steps` with its own step numbers. The backup is
 written by the chief, atomically (`kdist.keras.atomic_save.write_backup`).
-A parameter-server `fit` keeps Keras' behaviour; so does a remote
-`backup_dir`, and input with `steps_per_epoch` smaller than one pass (Keras
-continues such input across epochs; a new process cannot).
+A remote `backup_dir` keeps Keras' behaviour, and so does input with
+`steps_per_epoch` smaller than one pass (Keras continues such input across
+epochs; a new process cannot).
+
+A coordinator `fit` (`ParameterServerStrategy` on the chief) builds no Keras
+epoch iterator: `kdist.keras.parameter_server.chief_fit` takes the resumed
+epoch's skip itself (`take_skip`), drops the saved steps from its closures and
+restores the metrics once the chief's metrics are built (`_Skip.restore_metrics`).
+Where its input cannot be resumed mid-epoch (per-worker streams of several
+workers), it calls `resume_from_epoch_start(reason)` before the restore: the
+epoch then starts again from its first step, and the resume line says why.
 """
 
 import base64
@@ -70,6 +78,27 @@ def fit_call(model, strategy, method, args, kwargs):
         _local.fit = previous
 
 
+def take_skip():
+    """The running `fit`'s armed skip of its resumed epoch (`_Skip`), or None; for a coordinator `fit`.
+
+    Called at each epoch's start, after `on_epoch_begin`: a skip is armed
+    there, for the epoch a mid-epoch backup named.
+    """
+    fit = getattr(_local, "fit", None)
+    return None if fit is None else fit.take_skip()
+
+
+def resume_from_epoch_start(reason):
+    """Makes the running `fit` resume a mid-epoch backup at its epoch's first step (before `on_train_begin`).
+
+    Args:
+        reason: why the steps cannot be skipped, for the resume line.
+    """
+    fit = getattr(_local, "fit", None)
+    if fit is not None:
+        fit.epoch_start_reason = reason
+
+
 def watch(epoch_iterator):
     """Called whenever an epoch iterator starts: the running fit's first one (its training data) may skip steps."""
     fit = getattr(_local, "fit", None)
@@ -83,6 +112,7 @@ class _Fit:
     def __init__(self, resumes):
         self.resumes = resumes
         self.watched = False
+        self.epoch_start_reason = None
 
     def take_skip(self):
         for resume in self.resumes:
@@ -130,6 +160,8 @@ class _BackupResume:
         self.strategy = strategy
         collectives = strategy.extended.collectives
         self.is_chief = collectives is None or strategy.extended.is_chief
+        # A coordinator's metrics are built by its first closure's results (chief_fit).
+        self.drives_workers = bool(getattr(strategy.extended, "drives_workers", False))
         if collectives is None:
             # One process: Keras' own save writes only epoch and batch, not atomically.
             compat_callbacks.patch_backup_save(callback, self._save_one_process)
@@ -174,7 +206,8 @@ class _BackupResume:
             _, state = self.pending
             self.pending = None
             set_random_state(state["epoch_random_state"])
-            _assign(self.callback.model.metrics_variables, state["metrics"], "metric")
+            if not self.drives_workers:
+                _assign(self.callback.model.metrics_variables, state["metrics"], "metric")
             self.armed = _Skip(self, state)
         self.epoch_random_state = random_state()
 
@@ -214,16 +247,23 @@ class _BackupResume:
         if faults.ACTIVE.resume_without_iterations:
             model.optimizer.iterations.assign(0)
         steps = 0 if faults.ACTIVE.unskipped_resume_steps else state["steps"]
+        fit = getattr(_local, "fit", None)
+        reason = getattr(fit, "epoch_start_reason", None) if steps else None
+        if reason is not None:
+            steps = 0
         compat_callbacks.set_backup_position(callback, epoch, batch if steps else 0)
         if steps:
             self.pending = (epoch, state)
+        elif reason is not None and state["epoch_random_state"] is not None:
+            set_random_state(state["epoch_random_state"])  # the epoch draws its shuffle again
         else:
             set_random_state(state["random_state"])
-        self._announce(epoch, steps)
+        note = "" if reason is None else f" (the backup holds step {state['steps']}, but {reason})"
+        self._announce(epoch, steps, note)
 
-    def _announce(self, epoch, steps):
+    def _announce(self, epoch, steps, note=""):
         if self.is_chief:
-            print(f"[kdist] resumed from backup {self.callback.backup_dir}: epoch {epoch}, step {steps}",
+            print(f"[kdist] resumed from backup {self.callback.backup_dir}: epoch {epoch}, step {steps}{note}",
                   file=sys.stderr, flush=True)
 
 
@@ -234,14 +274,25 @@ class _Skip:
         self.resume = resume
         self.state = state
         self.steps = state["steps"]
+        self.callback = resume.callback
+        self.logs = state["logs"]
 
-    def finished(self):
-        """The saved steps were read and dropped: the run continues where the backup was taken."""
+    def finished(self, keras_epoch=True):
+        """The saved steps were read and dropped: the run continues where the backup was taken.
+
+        Args:
+            keras_epoch: Keras' fit runs the epoch (False: a coordinator `fit`,
+                which logs an epoch without steps with `self.logs` itself).
+        """
         state, resume = self.state, self.resume
         set_random_state(state["random_state"])
         resume.steps_done = self.steps
-        if state["logs"] is not None:
+        if state["logs"] is not None and keras_epoch:
             compat_callbacks.replace_empty_epoch_logs_once(resume.callback.model, state["logs"])
+
+    def restore_metrics(self, variables):
+        """Assigns the saved metric state to `variables` (a coordinator's, once its metrics are built)."""
+        _assign(variables, self.state["metrics"], "metric")
 
     def input_ended(self, batches_read):
         raise InvalidArgumentError(

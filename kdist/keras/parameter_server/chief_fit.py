@@ -36,7 +36,8 @@ from kdist.coordinator import ClusterCoordinator
 from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
 from kdist.keras.parameter_server.chief_data import EpochSource, IndexedBatches, split_validation
-from kdist.keras.parameter_server import save_points
+from kdist.keras import step_resume
+from kdist.keras.parameter_server import chief_resume, save_points
 from kdist.keras.parameter_server.describers import add_state
 from kdist.keras.progress import CoordinatorStatusLogger, resolve_verbose
 
@@ -50,12 +51,15 @@ def coordinator_for(strategy):
 
 
 # ----- what a closure runs on a worker -------------------------------------------------
-def run_steps(model, kind, source, steps):
+def run_steps(model, kind, source, steps, skip=0):
     """Runs `steps` train or test steps of the worker's `model`; returns its metric state and batch spec.
 
     `source` is a list of batches (array data carried by the closure) or the
-    worker's iterator of its per-worker dataset.
+    worker's iterator of its per-worker dataset, of which `skip` batches are
+    read and dropped first (a resumed `fit`, `chief_resume`).
     """
+    for _ in range(skip):
+        next(source)
     model.reset_metrics()
     training = kind == "train"
     function = model.make_train_function() if training else model.make_test_function()
@@ -94,17 +98,27 @@ class _MetricMerger:
     """Adds closures' metric states into the chief's metrics, building them on first use.
 
     The variable list is looked up once per pass: walking `model.metrics`
-    costs more than the merge itself.
+    costs more than the merge itself. A resumed epoch's `skip` restores the
+    saved metric state first, once the metrics are built.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, skip=None):
         self._model = model
         self._variables = _metric_variables(model)
+        self._skip = skip
+        if skip is not None and len(self._variables) == len(skip.state["metrics"]):
+            self._restore()
+
+    def _restore(self):
+        self._skip.restore_metrics(self._variables)
+        self._skip = None
 
     def add(self, states, spec):
         if len(self._variables) != len(states) and spec is not None:
             _compat.symbolic_build(self._model, spec)
             self._variables = _metric_variables(self._model)
+        if self._skip is not None:
+            self._restore()
         add_state(self._variables, states,
                   what=f"the metrics of {self._model.name!r} (compile the model in strategy.scope() before fit)")
 
@@ -155,7 +169,7 @@ def _batch_hook_overridden(callbacks, kind, when, reading_logs=False):
                if not (reading_logs and type(callback) is keras.callbacks.ProgbarLogger and callback.verbose != 1))
 
 
-def _run_pass(model, coordinator, kind, chunks, callbacks):
+def _run_pass(model, coordinator, kind, chunks, callbacks, skip=None, stream_skip=0):
     """Schedules the closures of one pass and merges their metric states in order.
 
     Batch hooks run only when a callback overrides them (Keras'
@@ -168,21 +182,28 @@ def _run_pass(model, coordinator, kind, chunks, callbacks):
     at which a saving callback will save (`kdist.keras.parameter_server.save_points`),
     so when its hook runs every closure up to that step has been applied and
     none after it was sent. Between saves, every closure is in flight at once.
+
+    A resumed epoch (`chief_resume`): `skip` restores the saved metrics, and
+    the first closure, which drops `stream_skip` batches of the worker's
+    stream, is sent alone (no other closure may read the stream before it).
     """
+    if not chunks and skip is not None:
+        return dict(skip.logs or {})  # every step of the epoch is in the backup
     on_begin = getattr(callbacks, f"on_{kind}_batch_begin")
     on_end = getattr(callbacks, f"on_{kind}_batch_end")
     call_begin = _batch_hook_overridden(callbacks, kind, "begin")
     call_end = _batch_hook_overridden(callbacks, kind, "end")
     read_logs = _batch_hook_overridden(callbacks, kind, "end", reading_logs=True)
-    merger = _MetricMerger(model)
+    merger = _MetricMerger(model, skip)
     barriers = save_points.barriers(callbacks, chunks) if kind == "train" else set()
     values = []
 
     def schedule_through_next_barrier():
         while len(values) < len(chunks):
             begin, count, source = chunks[len(values)]
-            values.append((begin, count, coordinator.schedule(run_steps, args=(model, kind, source, count))))
-            if len(values) - 1 in barriers:
+            args = (model, kind, source, count) + ((stream_skip,) if stream_skip and not values else ())
+            values.append((begin, count, coordinator.schedule(run_steps, args=args)))
+            if len(values) - 1 in barriers or len(args) > 4:
                 return
 
     logs = None
@@ -246,13 +267,20 @@ def fit(model, strategy, x=None, y=None, batch_size=None, epochs=1, verbose="aut
             # After Keras' ProgbarLogger, so the line follows the epoch's progress line.
             callbacks.callbacks.append(CoordinatorStatusLogger(coordinator))
     model.stop_training = False
+    # Before BackupAndRestore restores: the dead chief's closures have ended.
+    chief_resume.before_restore(coordinator, source)
     callbacks.on_train_begin()
     training_logs = {}
     first_epoch = _compat.take_initial_epoch(model, initial_epoch)
     for epoch in range(first_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
-        logs = _run_pass(model, coordinator, "train", source.epoch_sources(pack), callbacks)
+        chunks = source.epoch_sources(pack)  # after on_epoch_begin: a resume set the shuffle's random state
+        skip = step_resume.take_skip()
+        chunks, stream_skip = chief_resume.resume_epoch(
+            chunks, skip, chief_resume.stream_batches_before(coordinator, source, epoch, first_epoch, initial_epoch),
+            source.iterator is not None)
+        logs = _run_pass(model, coordinator, "train", chunks, callbacks, skip, stream_skip)
         source.on_epoch_end()
         epoch_logs = dict(logs)
         if validation_data is not None and _should_evaluate(epoch, validation_freq):

@@ -34,10 +34,12 @@ class _Shadow:
         self.initial_last = last_batch
         self.resets_at_epoch_end = resets_at_epoch_end
         self.passes = 0
+        self.resumed = False  # the next pass continues a resumed epoch: no reset
 
     def points(self, ends, save_freq):
-        if self.resets_at_epoch_end and self.passes:
+        if self.resets_at_epoch_end and self.passes and not self.resumed:
             self.last = self.initial_last
+        self.resumed = False
         self.passes += 1
         points = []
         for position, batch in enumerate(ends):
@@ -86,3 +88,17 @@ def barriers(callbacks, chunks):
         if shadow is not None:
             points.update(shadow.points(ends, callback.save_freq))
     return points
+
+
+def resume_at(callback, batch):
+    """Starts `callback`'s shadow where a `fit` resumed from its mid-epoch backup starts it.
+
+    `kdist.keras.step_resume` sets the callback's last batch to the backup's
+    (`batch`, the last step the backup holds) and its count since the last
+    save to 0; its next pass is the resumed epoch's rest.
+    """
+    shadow = _shadow_of(callback)
+    if shadow is not None:
+        shadow.last = batch
+        shadow.since = 0
+        shadow.resumed = True
