@@ -103,3 +103,62 @@ def test_control_a_resume_without_the_data_position_differs(tmp_path):
     resumed_epoch = _assert_restarted_and_resumed(output, max_lost=None)  # the epoch starts again
     with pytest.raises(AssertionError):
         _assert_equal(_result(output), _result(result.output("reference")), resumed_epoch)
+
+
+# ----- the fence, on its own: a real worker, a chief process that dies mid-closure ------------
+_DEAD_CHIEF = """
+import json, os, pathlib, signal, sys, time
+import kdist
+from kdist.cluster import SimpleClusterResolver
+
+spec, out = json.loads(pathlib.Path(sys.argv[1]).read_text()), pathlib.Path(sys.argv[2])
+strategy = kdist.ParameterServerStrategy(SimpleClusterResolver(spec, task_type="chief", task_id=0))
+coordinator = kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=2)
+
+def slow(out):
+    import pathlib, time
+    (out / "started").write_text("")
+    time.sleep(4)  # still running when the chief dies and a new one asks for the worker
+    (out / "first").write_text("")
+
+def queued(out):
+    (out / "second").write_text("")
+
+coordinator.schedule(slow, args=(out,))
+coordinator.schedule(queued, args=(out,))  # the second dispatcher thread sends it at once
+while not (out / "started").exists():
+    time.sleep(0.02)
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fenced", [True, False])
+def test_a_new_chief_waits_out_the_dead_chiefs_closures_and_its_queued_ones_are_skipped(tmp_path, fenced):
+    import kdist
+    from tests.coordinator import _cluster
+
+    with _cluster.start(num_workers=1, num_ps=1, tmp_path=tmp_path) as cluster:
+        script = tmp_path / "dead_chief.py"
+        script.write_text(_DEAD_CHIEF)
+        spec = harness.ProcessSpec("dead-chief", [sys.executable, str(script), str(cluster.cluster_file),
+                                                  str(tmp_path)], cwd=str(harness.REPO_ROOT))
+        with harness.start([spec]) as processes:
+            result = harness.wait(processes, 90.0)
+        assert result.returncodes["dead-chief"] == -9, harness.format_outputs(result.processes)
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        coordinator = kdist.coordinator.ClusterCoordinator(strategy)
+        try:
+            if fenced:
+                assert coordinator.open_worker_sessions() == 1
+                # The closure running when the chief died has ended; the queued one never runs.
+                assert (tmp_path / "first").exists()
+                coordinator.schedule(lambda: 1).fetch()
+                assert not (tmp_path / "second").exists()
+            else:
+                # Control: without the fence the dead chief's closure is still running here
+                # (a restore now would be followed by its pushes).
+                assert not (tmp_path / "first").exists()
+        finally:
+            coordinator.shutdown()

@@ -17,7 +17,9 @@ Callbacks run on the chief: `BackupAndRestore` and `ModelCheckpoint` save the
 parameter servers' state (weights and optimizer slots), each file written to a
 temporary file, fsynced and renamed into place (`kdist.keras.atomic_save`,
 installed by `kdist.keras.parameter_server.adapter`); the chief's
-`optimizer.iterations` counts the steps the closures applied.
+`optimizer.iterations` counts the steps the closures applied. A chief that
+died and was restarted resumes at the step its backup names, after the dead
+chief's closures on the workers ended (`kdist.keras.parameter_server.chief_resume`).
 
 Progress is Keras' own: the `CallbackList` adds `keras.callbacks.ProgbarLogger`
 as Keras' `fit` does (`verbose=0` silent, 1 a bar, 2 one line per epoch); a
