@@ -125,10 +125,10 @@ def queued(out):
     (out / "second").write_text("")
 
 coordinator.schedule(slow, args=(out,))
-coordinator.schedule(queued, args=(out,))  # the second dispatcher thread sends it at once
 while not (out / "started").exists():
     time.sleep(0.02)
-time.sleep(0.5)
+coordinator.schedule(queued, args=(out,))  # the idle dispatcher thread sends it: queued behind slow
+time.sleep(1.0)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
