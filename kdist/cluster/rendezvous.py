@@ -35,6 +35,11 @@ class Rendezvous:
         store_is_external: True when the launcher (torchrun's agent) already
             hosts the store at `master_addr:master_port`; False when rank 0
             must create it.
+        attempt: which start of the job this is (torchrun's
+            `TORCHELASTIC_RESTART_COUNT`: 0, then 1 after the first restart).
+            torchrun's agent keeps one store across restarts, so every key a
+            group writes there is scoped by it: a restarted group never reads
+            an address the group before it left behind.
 
     Raises:
         kdist.errors.InvalidArgumentError: the fields contradict each other
@@ -55,9 +60,10 @@ class Rendezvous:
     master_addr: str
     master_port: int
     store_is_external: bool = False
+    attempt: int = 0
 
     def __post_init__(self):
-        for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port"):
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port", "attempt"):
             value = getattr(self, name)
             if not is_integer(value, minimum=0):
                 raise InvalidArgumentError(

@@ -21,6 +21,8 @@ REQUIRED_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _INTEGER_PATTERN = re.compile(r"[0-9]+")
 # torch itself compares the variable with str(True); "true" or "1" do not count.
 _AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+# Set by torchrun's agent: 0 at the first start, then one more per restart.
+_RESTART_COUNT_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
 
 
 def require_all(environ, names, launcher, how):
@@ -161,6 +163,9 @@ class TorchrunClusterResolver(ClusterResolver):
                 master_addr=master_addr,
                 master_port=master_port,
                 store_is_external=environ.get(_AGENT_STORE_VARIABLE) == str(True),
+                attempt=read_integer(environ, _RESTART_COUNT_VARIABLE, 0, 2**31,
+                                     "a restart count >= 0")
+                if _RESTART_COUNT_VARIABLE in environ else 0,
             )
         )
 

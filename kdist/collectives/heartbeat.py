@@ -29,7 +29,7 @@ DIAGNOSIS_WINDOW_SECONDS = 3 * HEARTBEAT_INTERVAL_SECONDS
 # Store operations made while diagnosing must not hang themselves.
 STORE_TIMEOUT_SECONDS = 10.0
 
-_KEY = "kdist/heartbeat/{rank}"
+_KEY = "kdist/{attempt}/heartbeat/{rank}"  # `Rendezvous.attempt`: one set of keys per start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +78,12 @@ class Heartbeat:
     Args:
         host, port: the rendezvous TCPStore.
         rank, world_size: this process's rank and the number of ranks.
+        attempt: the job's start (`Rendezvous.attempt`): beacons of an
+            earlier start left in a store that outlived it are never read.
     """
 
-    def __init__(self, host, port, rank, world_size):
+    def __init__(self, host, port, rank, world_size, attempt=0):
+        self._attempt = attempt
         self._host = host
         self._port = port
         self._rank = rank
@@ -119,7 +122,7 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - no store, no beacon; diagnosis says so
             return
         beat = 0
-        key = _KEY.format(rank=self._rank)
+        key = _KEY.format(attempt=self._attempt, rank=self._rank)
         while not self._stop.is_set():
             beat += 1
             try:
@@ -151,7 +154,7 @@ class Heartbeat:
     def _read(self, store):
         beacons = {}
         for rank in range(self._world_size):
-            key = _KEY.format(rank=rank)
+            key = _KEY.format(attempt=self._attempt, rank=rank)
             if store.check([key]):
                 beat, sequence = store.get(key).decode().split(":")
                 beacons[rank] = (int(beat), int(sequence))

@@ -70,7 +70,8 @@ class ProcessCollectives:
             self._owns_group = True
         if self.world_size > 1:
             self._heartbeat = Heartbeat(
-                rendezvous.master_addr, rendezvous.master_port, self.rank, self.world_size
+                rendezvous.master_addr, rendezvous.master_port, self.rank, self.world_size,
+                attempt=rendezvous.attempt,
             )
         # Before interpreter teardown: a heartbeat thread still inside a store
         # call, or a process group destroyed by garbage collection in arbitrary
@@ -91,7 +92,7 @@ class ProcessCollectives:
         try:
             dist.init_process_group(
                 backend,
-                store=dist.PrefixStore("kdist/process_group", self._store),
+                store=dist.PrefixStore(f"kdist/{rendezvous.attempt}/process_group", self._store),
                 rank=rendezvous.rank,
                 world_size=rendezvous.world_size,
                 timeout=timeout,

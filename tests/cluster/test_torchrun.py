@@ -61,6 +61,13 @@ def test_store_is_external_only_for_the_exact_string_true():
         assert TorchrunClusterResolver(environ).rendezvous().store_is_external is expected
 
 
+def test_each_torchrun_restart_is_its_own_attempt():
+    # torchrun keeps its store across restarts: kdist's keys are scoped by the attempt.
+    assert TorchrunClusterResolver(environ_with()).rendezvous().attempt == 0
+    restarted = environ_with(TORCHELASTIC_RESTART_COUNT="2")
+    assert TorchrunClusterResolver(restarted).rendezvous().attempt == 2
+
+
 def test_local_defaults_when_launched_without_torchrun():
     environ = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
     rendezvous = TorchrunClusterResolver(environ).rendezvous()
@@ -92,6 +99,7 @@ def test_ipv6_master_addr_is_bracketed_in_addresses():
         ({"MASTER_PORT": "0"}, r"Received: MASTER_PORT='0'"),
         ({"MASTER_PORT": "http"}, r"Received: MASTER_PORT='http'"),
         ({"MASTER_ADDR": ""}, r"Received: MASTER_ADDR=''"),
+        ({"TORCHELASTIC_RESTART_COUNT": "-1"}, r"Received: TORCHELASTIC_RESTART_COUNT='-1'"),
     ],
     ids=lambda value: str(value) if isinstance(value, dict) else None,
 )

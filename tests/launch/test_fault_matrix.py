@@ -182,3 +182,25 @@ def test_the_draws_are_seeded_and_cover_both_halves_of_training():
     assert len(steps) == NUM_DRAWS * len(CASES) + 1
     assert min(steps) < TOTAL_STEPS // 2 <= max(steps)
 
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_under_torchrun_max_restarts_kdist_resumes_and_ends_equal(tmp_path):
+    # torchrun's own elastic agent restarts both workers; kdist's fit resumes from the backup.
+    kill_step = NEGATIVE_KILL_STEP
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "1", str(SCRIPT), str(tmp_path), "--mode", "mwms", "--kill-task", "worker-1",
+        "--kill-step", str(kill_step), "--save-freq", str(SAVE_FREQ),
+    ]
+    spec = harness.ProcessSpec("torchrun", argv, {"OMP_NUM_THREADS": "1"}, cwd=str(harness.REPO_ROOT))
+    result = harness.run([spec], timeout=JOB_TIMEOUT)
+    output = result.output("torchrun")
+    assert result.returncodes == {"torchrun": 0}, output
+    assert (tmp_path / "killed").read_text() == str(kill_step), output
+    # torchrun passes the workers' lines through without a name: rank 0 prints the one line.
+    (resumed,) = re.findall(r"\[kdist\] resumed from backup \S+: epoch (\d+), step (\d+)", output)
+    assert kill_step - SAVE_FREQ <= int(resumed[0]) * fault_fit.STEPS_PER_EPOCH + int(resumed[1]) <= kill_step
+    ranks = [dict(np.load(tmp_path / f"worker-{rank}.npz")) for rank in range(2)]
+    assert mismatches(ranks[0], ranks[1]) == []
+    assert mismatches(reference(shuffle=True), ranks[0]) == []
