@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests import harness
+from tests.keras.test_step_resume import mismatches  # History: the epochs the resumed fit ran
 from tests.launch.scripts import fault_fit
 
 SCRIPT = Path(fault_fit.__file__)
@@ -88,19 +89,6 @@ def reference(shuffle):
     if shuffle not in _references:
         _references[shuffle] = fault_fit.train(shuffle=shuffle)
     return _references[shuffle]
-
-
-def mismatches(expected, resumed):
-    """Keys whose values differ beyond float32 tolerance (History: the epochs the resumed fit ran)."""
-    assert set(expected) == set(resumed)
-    differing = []
-    for key, value in resumed.items():
-        wanted = expected[key]
-        if key.startswith("history/"):
-            wanted = wanted[len(wanted) - len(value):]
-        if wanted.shape != value.shape or not np.allclose(wanted, value, rtol=2e-5, atol=2e-6):
-            differing.append(key)
-    return differing
 
 
 def run_job(out, case, kill_step, fault=None):
