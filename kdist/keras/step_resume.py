@@ -50,9 +50,9 @@ from kdist.errors import InvalidArgumentError, KdistError
 from kdist.keras import _compat, adapters, atomic_save
 from kdist.keras._compat import callbacks as compat_callbacks
 from kdist.keras.replica import adapter as replica_adapter
+from kdist.keras.replica.multi_worker import STEP_STATE_KEY as STATE_KEY  # the metadata key (see above)
 from kdist.keras.replica.multi_worker import random_state, set_random_state
 
-STATE_KEY = "kdist_step"
 _local = threading.local()
 
 

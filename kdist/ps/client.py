@@ -93,6 +93,7 @@ class VariableClient:
         self._single_calls = {name: _single_request_callable(self._channel, method)
                               for name, method in METHODS.items() if method.request_streaming}
         self._connected = False  # set by the first call that succeeds
+        self._gone_since = None  # since when its server is gone (`client_retry`)
         self._closed = threading.Event()  # wakes a retry's backoff on close()
 
     # -- Calls ----------------------------------------------------------------------

@@ -74,7 +74,7 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
     started = time.monotonic()
     # When this client found its (earlier reachable) server gone: kept across
     # calls, so that once the window has passed later calls fail at once.
-    gone_since = getattr(client, "_gone_since", None)
+    gone_since = client._gone_since
     recovery = client.options.recovery_timeout_seconds if name not in _PROBES else 0
     backoff = RETRY_BACKOFF_SECONDS[0]
     slot_backoff = SLOT_BACKOFF_SECONDS[0]
@@ -97,7 +97,7 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
                     and _code(error) == grpc.StatusCode.UNAVAILABLE):
                 gone_since = time.monotonic() if gone_since is None else gone_since
                 # Another call (or `give_up`) may have found it gone earlier.
-                gone_since = min(gone_since, getattr(client, "_gone_since", None) or gone_since)
+                gone_since = min(gone_since, client._gone_since or gone_since)
                 client._gone_since = gone_since
                 limit = min(deadline, gone_since - started + recovery)
                 # The last attempt lands on the limit: the window is waited in full.
@@ -131,7 +131,7 @@ def give_up(client):
     waiting out `recovery_timeout_seconds`. An answer from the server ends this.
     """
     gone = time.monotonic() - client.options.recovery_timeout_seconds
-    client._gone_since = min(gone, getattr(client, "_gone_since", None) or gone)
+    client._gone_since = min(gone, client._gone_since or gone)
 
 
 def _attempt(client, name, request, read, remaining, wait_for_ready):

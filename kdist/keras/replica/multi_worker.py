@@ -298,7 +298,7 @@ def _make_backup_collective(callback, strategy):
 _RANDOM_STATE_KEY = "kdist_random_state"
 # The number of processes (input pipelines) of the job that wrote a backup.
 _PROCESSES_KEY = "kdist_processes"
-STEP_STATE_KEY = "kdist_step"  # `kdist.keras.step_resume.STATE_KEY`
+STEP_STATE_KEY = "kdist_step"  # where `kdist.keras.step_resume` keeps its step state
 
 
 def _per_rank_resume_error(resumed_from, world_size):
