@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 # ("client" or "server"). The client retries exactly these refusals: the
 # request was never read, so even a push without an update id is safe to resend.
 SLOT_REFUSED_KEY = "kdist-slot-refused"
+# The guard's thread ends this long after the last call did (or sooner, with a shorter idle timeout).
+_LINGER_SECONDS = 5.0
 
 
 class StreamSlotRefusedError(ResourceExhaustedError):
@@ -80,8 +82,9 @@ class GuardedCall:
 class StreamGuard:
     """Admits streaming calls into bounded slots and cancels the idle ones. Thread-safe.
 
-    The watchdog thread runs only while calls are admitted; it starts with
-    the first and ends when the last one is released.
+    The watchdog thread runs only while calls come: it starts with the first
+    and ends a few seconds after the last one is released (one thread for a
+    run of calls, not one per call).
 
     Args:
         stream_limit: slots in all.
@@ -176,7 +179,6 @@ class StreamGuard:
             left = self._per_peer.pop(call.owner) - 1
             if left:
                 self._per_peer[call.owner] = left
-            self._condition.notify_all()
 
     def requests(self, call, iterator):
         """Yields the request messages of `call`, marking it waiting while it reads."""
@@ -214,11 +216,19 @@ class StreamGuard:
             self.release(call)
 
     def _watch(self):
+        lingered = False
         while True:
             with self._condition:
                 if not self._calls:
-                    self._watchdog = None
-                    return
+                    if lingered:
+                        self._watchdog = None
+                        return
+                    # Calls come one after another: waiting a while for the next one
+                    # saves starting a thread per call.
+                    lingered = True
+                    self._condition.wait(min(self.idle_seconds, _LINGER_SECONDS))
+                    continue
+                lingered = False
                 now = time.monotonic()
                 expired, next_check = [], self.idle_seconds
                 for call in self._calls:
@@ -240,8 +250,8 @@ class StreamGuard:
                 call.context.cancel()
             with self._condition:
                 # A call that starts waiting now expires no sooner than
-                # idle_seconds from now, so this wait is never late; a release
-                # wakes it early to end the thread when no call is left.
+                # idle_seconds from now, so this wait is never late. Releases do
+                # not wake it: the thread ends at its next look with no call left.
                 self._condition.wait(next_check)
 
 
