@@ -23,7 +23,6 @@ from pathlib import Path
 PROTO_DIRECTORY = Path(__file__).resolve().parent / "protos"
 PROTO_NAME = "variable_service.proto"
 GENERATED_DIRECTORY = Path(__file__).resolve().parent / "_generated"
-GENERATED_FILES = ("variable_service_pb2.py", "variable_service_pb2_grpc.py")
 _COORDINATOR = Path(__file__).resolve().parents[1] / "coordinator"
 WORKER_PROTO_DIRECTORY = _COORDINATOR / "protos"
 WORKER_GENERATED_DIRECTORY = _COORDINATOR / "_generated"

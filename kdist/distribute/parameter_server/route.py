@@ -75,10 +75,6 @@ class Route:
     def trainable(self):
         return bool(self.variable.trainable)
 
-    @property
-    def local_tensor(self):
-        return self.variable.value
-
     def create_requests(self, initializer_json=None):
         """`{ps_index: [(shard position, VariableInit)]}` creating this variable's shards.
 

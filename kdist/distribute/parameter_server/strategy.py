@@ -86,7 +86,6 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         self.sparse_updates = sparse_updates
         self.options = options
         self.security = Security() if security is None else security
-        self.devices_argument = devices
         # The `kdist.coordinator.ClusterCoordinator` of this strategy, once one exists.
         self._cluster_coordinator = None
         self._creation_paused = 0
