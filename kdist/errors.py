@@ -131,7 +131,24 @@ class ParameterServerUnavailableError(KdistError, ConnectionError):
         self.elapsed_seconds = elapsed_seconds
 
 
-class ParameterServerError(KdistError, RuntimeError):
+class _RefusedCallError(KdistError, RuntimeError):
+    """A server answered a call with a non-transient gRPC status (the shared body of two errors).
+
+    `ParameterServerError` and `WorkerError` stay distinct types (code catches
+    one without the other); only their construction is shared.
+    """
+
+    # How the message names the server, e.g. "parameter server".
+    _server_kind = "server"
+
+    def __init__(self, address, code_name, detail):
+        super().__init__(f"The {self._server_kind} at {address} answered {code_name}: {detail}")
+        self.address = address
+        self.code_name = code_name
+        self.detail = detail
+
+
+class ParameterServerError(_RefusedCallError):
     """A parameter server refused or failed a call. Fatal: fix the request.
 
     Raised for `INVALID_ARGUMENT` (wrong shape, dtype, name, out-of-range id),
@@ -145,11 +162,7 @@ class ParameterServerError(KdistError, RuntimeError):
         detail: the server's explanation.
     """
 
-    def __init__(self, address, code_name, detail):
-        super().__init__(f"The parameter server at {address} answered {code_name}: {detail}")
-        self.address = address
-        self.code_name = code_name
-        self.detail = detail
+    _server_kind = "parameter server"
 
 
 class UnauthenticatedError(ParameterServerError):
@@ -202,7 +215,7 @@ class WorkerUnavailableError(KdistError, ConnectionError):
         self.detail = detail
 
 
-class WorkerError(KdistError, RuntimeError):
+class WorkerError(_RefusedCallError):
     """A worker refused the coordinator's request. Fatal: fix the cluster or the request.
 
     Raised for a missing or wrong token (`code_name` `"UNAUTHENTICATED"`), a
@@ -215,11 +228,7 @@ class WorkerError(KdistError, RuntimeError):
         detail: the worker's explanation.
     """
 
-    def __init__(self, address, code_name, detail):
-        super().__init__(f"The worker at {address} answered {code_name}: {detail}")
-        self.address = address
-        self.code_name = code_name
-        self.detail = detail
+    _server_kind = "worker"
 
 
 class RemoteFunctionError(KdistError, RuntimeError):
