@@ -21,7 +21,7 @@ from kdist.cluster.address import MAX_PORT, is_port
 from kdist.errors import InvalidArgumentError
 from kdist.launch import failure_report, job_secret, plans, server_cli
 from kdist.launch.help_text import LAUNCH_EPILOG
-from kdist.launch.cluster_file import parse_task
+from kdist.launch.cluster_file import add_cluster_argument, parse_task
 from kdist.launch.processes import ProcessSet, ProcessSetTimeout
 
 DEFAULT_GRACE_SECONDS = 30.0
@@ -70,9 +70,7 @@ def _add_launch_arguments(parser):
     mode.add_argument(
         "--nproc", type=_count(1), metavar="N", help="start N processes with torchrun's variables"
     )
-    mode.add_argument(
-        "--cluster", metavar="FILE", help="JSON file with a TF_CONFIG cluster, or a whole TF_CONFIG"
-    )
+    add_cluster_argument(mode)
     mode.add_argument(
         "--workers",
         type=_count(0),

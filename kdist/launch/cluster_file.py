@@ -18,6 +18,13 @@ class ClusterFileError(InvalidArgumentError):
     """The `--cluster` file cannot be read or does not describe a cluster."""
 
 
+def add_cluster_argument(group):
+    """Adds `--cluster FILE` (read by `load_cluster`) to `group`: one definition for `kdist launch` and `kdist server`."""
+    group.add_argument(
+        "--cluster", metavar="FILE", help="JSON file with a TF_CONFIG cluster, or a whole TF_CONFIG"
+    )
+
+
 def load_cluster(path):
     """Returns the cluster dict (job -> list of "host:port") stored in `path`.
 

@@ -19,7 +19,7 @@ from kdist.cluster import ClusterSpec, TFConfigClusterResolver
 from kdist.cluster.address import bind_endpoint, is_loopback, resolve_bind_address
 from kdist.cluster.tf_config import TF_CONFIG, load_tf_config
 from kdist.errors import InvalidArgumentError, KdistError
-from kdist.launch.cluster_file import check_task, load_cluster
+from kdist.launch.cluster_file import add_cluster_argument, check_task, load_cluster
 
 DEFAULT_STOP_GRACE_SECONDS = 5.0
 # After stop(), the thread watching the server ends within moments; this bounds it.
@@ -95,9 +95,7 @@ def add_parser(commands, count_type, seconds_type):
     task.add_argument(
         "--index", type=count_type(0), metavar="N", help="this task's index in its job"
     )
-    task.add_argument(
-        "--cluster", metavar="FILE", help="JSON file with a TF_CONFIG cluster, or a whole TF_CONFIG"
-    )
+    add_cluster_argument(task)
     task.add_argument(
         "--bind",
         metavar="ADDRESS",
