@@ -27,7 +27,7 @@ from kdist import atomic_files
 from kdist.distribute import context
 from kdist.errors import InvalidArgumentError
 from kdist.keras.checkpoint_watch import EVALUATION_SUFFIX, CheckpointWatch, identity_of
-from kdist.validation import is_integer, is_seconds
+from kdist.validation import invalid, is_integer, is_seconds
 
 logger = logging.getLogger("kdist.sidecar")
 
@@ -112,22 +112,22 @@ class SidecarEvaluator:
     ):
         _check_model(model)
         if data is None:
-            raise _invalid("data", data, "arrays `(x, y)`, a PyDataset, a DataLoader or a function returning one")
+            raise invalid("data", data, "arrays `(x, y)`, a PyDataset, a DataLoader or a function returning one")
         if not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise _invalid("checkpoint_dir", checkpoint_dir, "a str or os.PathLike naming a directory")
+            raise invalid("checkpoint_dir", checkpoint_dir, "a str or os.PathLike naming a directory")
         checkpoint_dir = os.fspath(checkpoint_dir)
         if not isinstance(checkpoint_dir, str):
-            raise _invalid("checkpoint_dir", checkpoint_dir, "a text path, not bytes")
+            raise invalid("checkpoint_dir", checkpoint_dir, "a text path, not bytes")
         if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
-            raise _invalid("checkpoint_dir", checkpoint_dir, "a directory (or where one will be made), not a file")
+            raise invalid("checkpoint_dir", checkpoint_dir, "a directory (or where one will be made), not a file")
         if steps is not None and not is_integer(steps, minimum=1):
-            raise _invalid("steps", steps, "a positive int, or None to evaluate all of `data`")
+            raise invalid("steps", steps, "a positive int, or None to evaluate all of `data`")
         if max_evaluations is not None and not is_integer(max_evaluations, minimum=1):
-            raise _invalid("max_evaluations", max_evaluations, "an int >= 1, or None to run until stopped")
+            raise invalid("max_evaluations", max_evaluations, "an int >= 1, or None to run until stopped")
         if not is_seconds(poll_interval, allow_infinite=True):
-            raise _invalid("poll_interval", poll_interval, "a number of seconds > 0")
+            raise invalid("poll_interval", poll_interval, "a number of seconds > 0")
         if timeout is not None and not is_seconds(timeout, allow_infinite=True):
-            raise _invalid("timeout", timeout, "a number of seconds > 0, or None to wait forever")
+            raise invalid("timeout", timeout, "a number of seconds > 0, or None to wait forever")
         patterns = _check_patterns(pattern)
         self._callbacks = _check_callbacks(callbacks)
 
@@ -286,15 +286,9 @@ def _format_metric(value):
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def _invalid(name, value, expected):
-    return InvalidArgumentError(
-        f"SidecarEvaluator got an invalid `{name}`. Received: {name}={value!r}. Expected {expected}."
-    )
-
-
 def _check_model(model):
     if not isinstance(model, keras.Model):
-        raise _invalid("model", model, "a keras.Model")
+        raise invalid("model", model, "a keras.Model")
     if not getattr(model, "compiled", False):
         raise InvalidArgumentError(
             f"SidecarEvaluator needs a compiled model: it calls `model.evaluate`. Received: "
@@ -312,7 +306,7 @@ def _check_model(model):
 def _check_patterns(pattern):
     patterns = (pattern,) if isinstance(pattern, str) else pattern
     if not isinstance(patterns, (tuple, list)) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise _invalid("pattern", pattern, 'a glob such as "*.keras", or a non-empty tuple of them')
+        raise invalid("pattern", pattern, 'a glob such as "*.keras", or a non-empty tuple of them')
     return tuple(patterns)
 
 
@@ -320,5 +314,5 @@ def _check_callbacks(callbacks):
     if callbacks is None:
         return None
     if not isinstance(callbacks, (list, tuple)) or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks):
-        raise _invalid("callbacks", callbacks, "None or a list of keras.callbacks.Callback")
+        raise invalid("callbacks", callbacks, "None or a list of keras.callbacks.Callback")
     return list(callbacks)
