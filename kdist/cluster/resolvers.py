@@ -49,18 +49,44 @@ def validate_task(cluster_spec, task_type, task_id, type_field="task_type", id_f
     check_task_types(task_type, task_id, type_field, id_field)
     if task_type is None or task_id is None:
         return
-    if task_type not in cluster_spec.jobs:
-        if task_type == TaskType.EVALUATOR.value and task_id == 0:
-            return
+    if task_type not in cluster_spec.jobs and task_type == TaskType.EVALUATOR.value and task_id == 0:
+        return
+    require_task_in_cluster(cluster_spec, task_type, task_id, type_field, id_field)
+
+
+def require_task_in_cluster(
+    cluster, task_type, task_id, type_field="task_type", id_field="task_id", received=None
+):
+    """Raises unless task `task_type:task_id` is a task of `cluster`: the one such check in kdist.
+
+    Args:
+        cluster: a `ClusterSpec`, or a dict from job name to its list of
+            addresses (as `kdist launch` reads a cluster file).
+        task_type, task_id: the task, already well-typed (`check_task_types`).
+        type_field, id_field: how the message names the wrong one, e.g.
+            `"job_name"`, `'TF_CONFIG["task"]["index"]'`.
+        received: what the message shows instead of the named field, e.g.
+            `"ps:3"` on the command line.
+
+    Raises:
+        kdist.errors.InvalidArgumentError: the cluster has no job `task_type`,
+            or that job no task `task_id`; the message lists what it has.
+    """
+    is_spec = isinstance(cluster, ClusterSpec)
+    jobs = cluster.jobs if is_spec else list(cluster)
+    if task_type not in jobs:
+        shown = received or f"{type_field}={task_type!r}"
         raise InvalidArgumentError(
-            f"The task type is not a job of the cluster. Received: {type_field}={task_type!r}. "
-            f"Expected one of the cluster's jobs: {cluster_spec.jobs}."
+            f"job {task_type!r} is not in the cluster. Received: {shown}. "
+            f"Expected one of the cluster's jobs: {jobs}."
         )
-    indices = cluster_spec.task_indices(task_type)
+    indices = cluster.task_indices(task_type) if is_spec else list(range(len(cluster[task_type])))
     if task_id not in indices:
+        shown = received or f"{id_field}={task_id!r}"
         raise InvalidArgumentError(
-            f"The task index is out of range for its job. Received: {id_field}={task_id!r}. "
-            f"Expected one of the indices of job {task_type!r}: {indices}."
+            f"job {task_type!r} has {len(indices)} task(s): the task index is out of range. "
+            f"Received: {shown}. "
+            f"Expected one of its task indices: {indices}."
         )
 
 

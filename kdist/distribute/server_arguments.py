@@ -8,7 +8,7 @@ the argument's name and what was received.
 from collections.abc import Mapping
 
 from kdist.cluster import ClusterResolver, ClusterSpec
-from kdist.cluster.resolvers import check_task_types
+from kdist.cluster.resolvers import check_task_types, require_task_in_cluster
 from kdist.errors import InvalidArgumentError, UnsupportedError
 
 # The one wire protocol kdist serves (TensorFlow's default too); TensorFlow's
@@ -37,17 +37,7 @@ def _check_task(cluster_spec, job_name, task_index):
             f"A Server needs its task. Received: job_name={job_name!r}, "
             f"task_index={task_index!r}. Expected e.g. job_name='ps', task_index=0."
         )
-    if job_name not in cluster_spec.jobs:
-        raise InvalidArgumentError(
-            f"The job is not in the cluster. Received: job_name={job_name!r}. Expected one of "
-            f"the cluster's jobs: {cluster_spec.jobs}."
-        )
-    indices = cluster_spec.task_indices(job_name)
-    if task_index not in indices:
-        raise InvalidArgumentError(
-            f"The job has no such task. Received: task_index={task_index!r}. Expected one of "
-            f"the indices of job {job_name!r}: {indices}."
-        )
+    require_task_in_cluster(cluster_spec, job_name, task_index, "job_name", "task_index")
     return job_name, task_index
 
 

@@ -9,6 +9,7 @@ import json
 import re
 
 from kdist.cluster.address import is_port
+from kdist.cluster.resolvers import require_task_in_cluster
 from kdist.errors import InvalidArgumentError
 
 _TASK_PATTERN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):([0-9]+)$")
@@ -105,18 +106,8 @@ def parse_task(text):
 
 
 def check_task(cluster, task_type, task_index):
-    """Raises InvalidArgumentError unless `task_type:task_index` is a task of `cluster`."""
-    if task_type not in cluster:
-        raise InvalidArgumentError(
-            f"job {task_type!r} is not in the cluster. Received: {task_type}:{task_index}; "
-            f"jobs: {', '.join(cluster)}."
-        )
-    size = len(cluster[task_type])
-    if task_index >= size:
-        raise InvalidArgumentError(
-            f"job {task_type!r} has {size} task(s), indices 0..{size - 1}. "
-            f"Received: {task_type}:{task_index}."
-        )
+    """Raises InvalidArgumentError unless `task_type:task_index` is a task of `cluster` (a `load_cluster` dict)."""
+    require_task_in_cluster(cluster, task_type, task_index, received=f"{task_type}:{task_index}")
 
 
 def _is_address(address):
