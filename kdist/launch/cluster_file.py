@@ -1,14 +1,16 @@
 """Reads the `--cluster` file and `--task` values of `kdist launch`.
 
 A deliberately small validator: the launcher only needs job names and
-"host:port" addresses to hand each process its `TF_CONFIG`. The process's own
-resolver (kdist.cluster) does the full validation when the program starts.
+"host:port" addresses (read with kdist's one grammar,
+`kdist.cluster.address.parse_address`) to hand each process its `TF_CONFIG`.
+The process's own resolver (kdist.cluster) does the full validation when the
+program starts.
 """
 
 import json
 import re
 
-from kdist.cluster.address import is_port
+from kdist.cluster.address import parse_address
 from kdist.cluster.resolvers import require_task_in_cluster
 from kdist.errors import InvalidArgumentError
 
@@ -82,11 +84,13 @@ def validate_cluster(cluster, field="cluster", path="the cluster file"):
                 f"Received: {addresses!r}."
             )
         for index, address in enumerate(addresses):
-            if not _is_address(address):
+            try:
+                parse_address(address)
+            except InvalidArgumentError:
                 raise ClusterFileError(
                     f'{where}[{index}] in {path!r} must be a "host:port" string with a port in '
                     f"1..65535. Received: {address!r}."
-                )
+                ) from None
         result[job] = list(addresses)
     return result
 
@@ -108,12 +112,3 @@ def parse_task(text):
 def check_task(cluster, task_type, task_index):
     """Raises InvalidArgumentError unless `task_type:task_index` is a task of `cluster` (a `load_cluster` dict)."""
     require_task_in_cluster(cluster, task_type, task_index, received=f"{task_type}:{task_index}")
-
-
-def _is_address(address):
-    if not isinstance(address, str):
-        return False
-    host, separator, port = address.rpartition(":")
-    if not separator or not host or not port.isdigit():
-        return False
-    return is_port(int(port))
