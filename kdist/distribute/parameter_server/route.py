@@ -2,11 +2,14 @@
 
 A `VariableRouter` keeps one `Route` per variable created in a
 `ParameterServerStrategy` scope. This module holds the bookkeeping on a
-route's local side (which part of the local memory a shard is, writing a
-value read from a server into it, the snapshot that says whether a
-non-trainable value changed), the naming of server keys, and `RouteReader`,
-which reads a route's shards for the user-facing views; the traffic is in
-`kdist.distribute.parameter_server.router`.
+route's local side: the requests that create its shards on the servers
+(`Route.create_requests`), which part of the local memory a shard is
+(`local_view`), writing a value read from a server into it (`write_shard`),
+the snapshot that says whether a non-trainable value changed
+(`take_snapshot`, `changed`); the naming of server keys (`server_keys`,
+`keys_by_server`); `to_numpy`, the one tensor-to-wire conversion; and
+`RouteReader`, which reads a route's shards for the user-facing views. The
+traffic is in `kdist.distribute.parameter_server.router`.
 
 Server keys: a variable's shards are stored on their servers under keys
 given by creation order, `"v<index>"` for a whole variable and
@@ -130,25 +133,25 @@ class Route:
 class RouteReader:
     """Reads one `Route`'s shards for `RemoteVariable` / `ShardedVariable` views. Thread-safe.
 
-    `router` is the `VariableRouter` holding `entry`. Implements
-    `kdist.distribute.parameter_server.sharded_variable.VariableReader`, plus
+    `router` is the `VariableRouter` holding `route`. Implements
+    `kdist.distribute.parameter_server.variable_reader.VariableReader`, plus
     `server_key(shard)`, which `RemoteVariable.server_key` asks.
     """
 
-    def __init__(self, router, entry):
+    def __init__(self, router, route):
         self._router = router
-        self._entry = entry
+        self._route = route
 
     def read(self, shards):
-        return self._router.read_shards(self._entry, [self._entry.placement.shards.index(shard) for shard in shards])
+        return self._router.read_shards(self._route, [self._route.placement.shards.index(shard) for shard in shards])
 
     def lookup(self, requests):
-        positions = [(self._entry.placement.shards.index(shard), ids) for shard, ids in requests]
-        return [rows for rows, _ in self._router.lookup_shards(self._entry, positions)]
+        positions = [(self._route.placement.shards.index(shard), ids) for shard, ids in requests]
+        return [rows for rows, _ in self._router.lookup_shards(self._route, positions)]
 
     def server_key(self, shard):
         """The key the parameter server stores `shard` under, e.g. `"v3/part_0"`."""
-        return self._entry.server_key(shard)
+        return self._route.server_key(shard)
 
 
 def to_numpy(tensor):

@@ -17,9 +17,13 @@ Every `apply` (and so `apply_gradients`) asks `route` first, which decides:
    strategy): the optimizer's own `apply`.
 
 The hook sits on `keras.optimizers.Optimizer.apply` and
-`keras.optimizers.LossScaleOptimizer.apply` (so it reaches every optimizer,
-including ones no model owns), and on the instance of a model's optimizer
-(`wrap`), outside any wrapper a parameter-server strategy installs there.
+`keras.optimizers.LossScaleOptimizer.apply` (`install`, so it reaches every
+optimizer, including ones no model owns), and on the instance of a model's
+optimizer (`wrap`, which the replica adapter's `attach` calls), outside any
+wrapper a parameter-server strategy installs there. That wrapper
+(`kdist.keras.parameter_server.worker_steps`, the push to the servers) asks
+`route` itself before it pushes, so on a parameter-server worker a call that
+`wrap` let through is routed a second time, with the same answer.
 """
 
 import contextlib
