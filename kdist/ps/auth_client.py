@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import grpc.experimental
 
 from kdist.errors import PeerAuthenticationError
 from kdist.ps.auth import (
@@ -110,6 +111,21 @@ def _SessionExpired(address):
 def _Ended(call):
     """`call`, which ended with an error before a response, as an error that yields nothing."""
     return _Failed(call.code(), call.details())
+
+
+def _final_code(call):
+    """The status of `call`, which sent no metadata: over, or waited for (deadline-bound)."""
+    try:
+        return call.code()
+    except grpc.experimental.UsageError:
+        # A call read in the calling thread (a single-threaded response stream)
+        # has no status until it is read to its end: drain it here, unread.
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+        return call.code()
 
 
 class ClientAuthenticator(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -246,7 +262,7 @@ class ClientAuthenticator(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClie
             )
         # A kdist server sends its proof before any response. No metadata: the call
         # ended (a refusal, a lost connection), or a stranger answered without it.
-        code = call.code()  # the call is over, or this waits for its end (deadline-bound)
+        code = _final_code(call)
         if code == grpc.StatusCode.OK:
             raise PeerAuthenticationError(
                 self._address,

@@ -2,6 +2,8 @@
 
 import threading
 
+import grpc
+import grpc.experimental
 import numpy as np
 
 from kdist.cluster.address import parse_address
@@ -31,13 +33,10 @@ from kdist.ps.values import (
 
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
-
-
-def _single_request_callable(channel, method):
-    request_serializer, _ = method.request_coders()
-    _, response_deserializer = method.response_coders()
-    factory = channel.unary_stream if method.response_streaming else channel.unary_unary
-    return factory(method.path, request_serializer=request_serializer, response_deserializer=response_deserializer)
+# Response streams are read in the calling thread. Without it grpcio starts
+# (and ends) a channel thread for every call made while no other call is in
+# flight, which is every call of a worker's step.
+CALLING_THREAD_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 
 
 class VariableClient:
@@ -81,16 +80,14 @@ class VariableClient:
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+            *CALLING_THREAD_OPTIONS,
         ]
         # Proves the cluster secret and checks the server's proof (kdist.ps.auth).
         self._channel = security.channel(address, channel_options)
         self._metadata = ()
         self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}
-        # A request stream of one message goes out as a unary request on the
-        # same path: the wire format is the same (the server's handler reads a
-        # stream of one), and grpcio starts no thread to consume it, which it
-        # does for every streamed request.
-        self._single_calls = {name: _single_request_callable(self._channel, method)
+        # A request of one message goes out as a unary call (`Method.single_request_callable`).
+        self._single_calls = {name: method.single_request_callable(self._channel)
                               for name, method in METHODS.items() if method.request_streaming}
         self._connected = False  # set by the first call that succeeds
         self._gone_since = None  # since when its server is gone (`client_retry`)

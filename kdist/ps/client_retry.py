@@ -136,14 +136,34 @@ def give_up(client):
 
 def _attempt(client, name, request, read, remaining, wait_for_ready):
     multi_callable = client._calls[name]
+    response_streaming = METHODS[name].response_streaming
     if callable(request):
         request = _single_or_stream(request())
         if not isinstance(request, Iterator):
-            # One message: sent as a unary request (see `VariableClient._single_calls`).
+            # One message: sent as a unary request, answered as a stream (see
+            # `VariableClient._single_calls`), of one message for a unary method.
             multi_callable = client._single_calls[name]
-    return watched_call(multi_callable, METHODS[name].response_streaming, request, read,
+            if not response_streaming:
+                read, response_streaming = _only_message(client, name, read), True
+    return watched_call(multi_callable, response_streaming, request, read,
                         timeout=max(remaining, 0.0), metadata=client._metadata,
                         wait_for_ready=wait_for_ready)
+
+
+def _only_message(client, name, read):
+    """Reads a unary method's answer from a response stream: exactly one message."""
+
+    def read_one(responses):
+        responses = iter(responses)
+        response = next(responses, None)
+        if response is None or next(responses, None) is not None:
+            raise ParameterServerError(
+                client.address, grpc.StatusCode.INTERNAL.name,
+                f"the server answered {name} with {'no' if response is None else 'more than one'} "
+                "message; a kdist server answers it with exactly one")
+        return response if read is None else read(response)
+
+    return read_one
 
 
 def _single_or_stream(messages):

@@ -77,6 +77,21 @@ class Method:
         return factory(self.path, request_serializer=request_serializer,
                        response_deserializer=response_deserializer)
 
+    def single_request_callable(self, channel):
+        """The multi-callable of this method for a request of one message: a unary request, a response stream.
+
+        The wire format is the one of the method's own kinds (a request stream
+        of one message, a unary answer as a stream of one message). On a
+        channel with `grpc.experimental.ChannelOptions.SingleThreadedUnaryStream`
+        such a call runs in the calling thread: grpcio starts no thread to send
+        the request (it does for every streamed one), and none to read the
+        answer (it does for a unary future on a channel without a call in flight).
+        """
+        request_serializer, _ = self.request_coders()
+        _, response_deserializer = self.response_coders()
+        return channel.unary_stream(self.path, request_serializer=request_serializer,
+                                    response_deserializer=response_deserializer)
+
 
 def _coders(message_class):
     if is_framed(message_class):
