@@ -13,6 +13,7 @@ NumPy array; sending copies each chunk once, from a view of the source array
 into the message.
 """
 
+import math
 import threading
 
 import numpy as np
@@ -260,7 +261,7 @@ class PayloadReader:
         self._position = 0
         self.num_bytes = 0
         self.expected_bytes = sum(
-            int(np.prod(shape, dtype=object)) * dtype.itemsize for dtype, shape in self._layout
+            math.prod(shape) * dtype.itemsize for dtype, shape in self._layout
         )
         self._advance()
 

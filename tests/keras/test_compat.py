@@ -205,3 +205,15 @@ def test_keras_still_refuses_synchronized_batchnorm_on_torch():
 
     with pytest.raises(ValueError, match="synchronized=True"):
         keras.layers.BatchNormalization(synchronized=True)
+
+
+def test_in_stateless_scope_agrees_with_keras_inside_and_outside_a_scope():
+    import keras
+    from keras.src.backend.common import stateless_scope
+
+    assert _compat.in_stateless_scope() is stateless_scope.in_stateless_scope() is False
+    with keras.StatelessScope():
+        assert _compat.in_stateless_scope() is stateless_scope.in_stateless_scope() is True
+        with keras.StatelessScope():
+            assert _compat.in_stateless_scope() is True
+    assert _compat.in_stateless_scope() is False

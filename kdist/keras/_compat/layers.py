@@ -2,12 +2,14 @@
 and the torch `BatchNorm` modules a `TorchModuleWrapper` holds."""
 
 import keras
+from keras.src.backend.common import global_state as _global_state_module
 from keras.src.backend.common import stateless_scope as _stateless_scope_module
 
 PINNED = {
     "BatchNormalization._moments": lambda: keras.layers.BatchNormalization._moments,
     "BatchNormalization._reduction_axes": lambda: _probe_batchnorm()._reduction_axes,
     "keras.src.backend.common.stateless_scope.in_stateless_scope": lambda: _stateless_scope_module.in_stateless_scope,
+    "keras.src.backend.common.global_state.GLOBAL_STATE_TRACKER": lambda: _global_state_module.GLOBAL_STATE_TRACKER,
     "Dense.outputs_grad_amax_history (float8)": lambda: _probe_float8_dense().outputs_grad_amax_history,
     "TorchModuleWrapper.module (torch backend)": lambda: _probe_torch_module_wrapper().module,
 }
@@ -35,8 +37,14 @@ def batchnorm_local_moments(layer, inputs, mask):
 
 
 def in_stateless_scope():
-    """True inside a `keras.StatelessScope` (variable writes are recorded there, not made)."""
-    return _stateless_scope_module.in_stateless_scope()
+    """True inside a `keras.StatelessScope` (variable writes are recorded there, not made).
+
+    Asked for every torch call of a parameter-server step
+    (`kdist.keras.parameter_server.embeddings`): Keras' own
+    `in_stateless_scope` reads this same thread-local attribute, through two
+    more calls.
+    """
+    return getattr(_global_state_module.GLOBAL_STATE_TRACKER, "stateless_scope", None) is not None
 
 
 def set_batchnorm_moments(layer, moments):

@@ -150,13 +150,13 @@ class _LookupMode(TorchFunctionMode):
         self._stored = {id(tensor): (tensor, entry) for entry in tables
                         if (tensor := _compat.torch_tensor_of(entry.variable)) is not None}
 
-    def _table(self, value):
+    def _table(self, value, stateless):
         if not isinstance(value, torch.Tensor):
             return None
         alias = self._aliases.get(id(value))
         if alias is not None and alias[0] is value:
             return alias[1]
-        if not _compat.in_stateless_scope():
+        if not stateless:
             stored = self._stored.get(id(value))
             return stored[1] if stored is not None and stored[0] is value and stored[1].row_sparse else None
         for entry in self._tables:
@@ -166,21 +166,24 @@ class _LookupMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
+        # Every torch call of the step comes here: the common one, which reads
+        # no table, costs one scope check and a dict lookup per argument.
+        stateless = _compat.in_stateless_scope()
         if func is torch.nn.functional.embedding:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            entry = self._table(weight)
+            entry = self._table(weight, stateless)
             if entry is not None:
                 indices = args[0] if args else kwargs["input"]
                 return self._lookup(entry, weight, indices)
         elif func is torch.index_select or func is torch.Tensor.index_select:
-            entry = self._table(args[0])
+            entry = self._table(args[0], stateless)
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if entry is not None and dim == 0:
                 return self._lookup(entry, args[0], args[2] if len(args) > 2 else kwargs["index"])
+        name = getattr(func, "__name__", "")
         if name not in _METADATA:
             arguments = remote_tables.flat_arguments(args, kwargs)
-            used = [entry for value in arguments if (entry := self._table(value)) is not None]
+            used = [entry for value in arguments if (entry := self._table(value, stateless)) is not None]
             if used:
                 if name in _ALIASES:
                     result = func(*args, **kwargs)

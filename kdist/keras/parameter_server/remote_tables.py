@@ -217,12 +217,17 @@ def _refuse_gradient(variable):
 
 
 def flat_arguments(args, kwargs):
-    """The tensors (and other values) of a torch call's arguments, one level of lists opened."""
-    for value in (*args, *kwargs.values()):
+    """The tensors (and other values) of a torch call's arguments, one level of lists opened (a list)."""
+    values = [*args, *kwargs.values()] if kwargs else list(args)
+    if not any(isinstance(value, (list, tuple)) for value in values):
+        return values
+    flat = []
+    for value in values:
         if isinstance(value, (list, tuple)):
-            yield from value
+            flat.extend(value)
         else:
-            yield value
+            flat.append(value)
+    return flat
 
 
 def _replace(structure, tensors):
