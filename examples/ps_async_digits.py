@@ -84,18 +84,14 @@ def train(args, resolver):
     with strategy.scope():
         model = build_model()
 
-    is_chief = strategy.extended.should_checkpoint
-    callbacks = []
-    if is_chief:
-        os.makedirs(args.out_dir, exist_ok=True)
-        callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(args.out_dir, "epoch{epoch:02d}.keras")))
-    history = model.fit(
-        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks, verbose=2 if is_chief else 0
-    )
+    # The same callbacks on every task: only the chief (worker 0) writes
+    # checkpoints and shows progress; kdist drops them on the other workers.
+    callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(args.out_dir, "epoch{epoch:02d}.keras"))]
+    history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks, verbose=2)
     test_loss, test_accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
     print(f"worker {worker}: test accuracy {test_accuracy:.4f} after {len(history.history['loss'])} epochs", flush=True)
-    if not is_chief:
-        return 0
+    if not strategy.extended.should_checkpoint:
+        return 0  # the chief writes the final model and reports
 
     final_path = os.path.join(args.out_dir, "digits_mlp.keras")
     model.save(final_path)  # the parameter servers' state at this moment

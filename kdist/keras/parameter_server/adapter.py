@@ -5,6 +5,10 @@ replica engine does (`ReplicaAdapter`: several local devices train in sync),
 then the parameter-server wrappers of `kdist.keras.parameter_server.worker_steps`
 (the optimizer pushes, step functions pull first and push last).
 
+Who writes logs, checkpoints and summaries: `kdist.keras.chief_only`, for
+every task (a worker other than the chief writes none; the coordinator is the
+chief).
+
 Routing (`ParameterServerAdapter.route_call`), decided here so that the
 worker's steps and the chief's driver never import each other:
 
@@ -16,8 +20,10 @@ worker's steps and the chief's driver never import each other:
   execution for the single-batch calls and `predict`.
 """
 
+import inspect
+
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
-from kdist.keras import adapters, atomic_save
+from kdist.keras import adapters, atomic_save, chief_only
 from kdist.keras.parameter_server import chief_fit, remote_tables, worker_runtime, worker_steps
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.replica.adapter import ReplicaAdapter
@@ -41,6 +47,8 @@ class ParameterServerAdapter(ReplicaAdapter):
         session = worker_steps.session_of(model)
         strategy = session.strategy
         atomic_save.make_backups_atomic(method, model, name, args, kwargs)
+        # After make_backups_atomic: a task that does not write keeps its backups restore-only.
+        args, kwargs = _task_callbacks(method, name, args, kwargs, strategy)
         if name in ("fit", "evaluate") and strategy.extended.drives_workers:
             # The chief drives the workers; it trains nothing itself. During the call
             # its tables are row-read (the coordinator's joins skip them); they are
@@ -64,6 +72,25 @@ class ParameterServerAdapter(ReplicaAdapter):
 
     def on_variable_initializing(self, variable, initializer):
         return remote_tables.placeholder_for(variable, initializer, self.strategy)
+
+
+def _task_callbacks(method, name, args, kwargs, strategy):
+    """The `(args, kwargs)` of `fit`/`evaluate`/`predict` with `kdist.keras.chief_only`'s rule applied.
+
+    Each worker trains alone (no collective saves); the coordinator is the
+    chief, so its callbacks all run. Other calls, and calls Keras will
+    refuse, are returned unchanged.
+    """
+    if name not in ("fit", "evaluate", "predict"):
+        return args, kwargs
+    try:
+        signature = inspect.signature(method)
+        bound = signature.bind(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # Keras reports the bad call itself
+    chief_only.task_callbacks(bound.arguments, strategy, collective_saves=False,
+                              has_verbose="verbose" in signature.parameters)
+    return bound.args[1:], bound.kwargs
 
 
 def install():

@@ -11,7 +11,7 @@
   empty parts), and the first batch of
   every epoch is compared across ranks (`kdist.keras.replica.per_rank_input`).
 - Side effects: only the chief (rank 0) shows a progress bar and runs
-  `CSVLogger` and `TensorBoard`. `model.save`/`save_weights` are collectives:
+  `CSVLogger` and `TensorBoard` (the rule is `kdist.keras.chief_only`'s). `model.save`/`save_weights` are collectives:
   the chief writes to a temporary file, fsyncs it and renames it into place
   (`kdist.atomic_files`), then every rank continues. `BackupAndRestore` saves
   the same way and every rank restores.
@@ -33,7 +33,7 @@ import torch
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError, KdistError
-from kdist.keras import _compat, atomic_save
+from kdist.keras import _compat, atomic_save, chief_only
 from kdist.keras.replica import gradient_accumulation, per_rank_input
 
 _active = threading.local()
@@ -172,9 +172,6 @@ class SharedRandomState(keras.callbacks.Callback):
 
 
 # ----- calls to fit / evaluate / predict ------------------------------------------
-_CHIEF_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger)
-
-
 def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
     """Returns the `(args, kwargs, inputs)` a rank passes to Keras' fit/evaluate/predict.
 
@@ -185,17 +182,10 @@ def adjust_call(method, model, args, kwargs, strategy, share_random_state=True):
     bound = signature.bind(model, *args, **kwargs)
     arguments = bound.arguments
     inputs = per_rank_input.prepare_arguments(method.__name__, arguments, getattr(_active, "inputs", None))
-    is_chief = strategy.extended.is_chief
-    if not is_chief and "verbose" in signature.parameters:
-        arguments["verbose"] = 0
-    callbacks = arguments.get("callbacks")
-    # A CallbackList is what fit passes to its own validation evaluate: already adjusted.
-    if isinstance(callbacks, keras.callbacks.Callback) and not isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = [callbacks]
-    if callbacks is None or isinstance(callbacks, (list, tuple)):
-        callbacks = list(callbacks or [])
-        if not is_chief:
-            callbacks = [cb for cb in callbacks if not isinstance(cb, _CHIEF_ONLY_CALLBACKS)]
+    # Who writes logs and checkpoints: kdist.keras.chief_only; saves here are collectives.
+    callbacks = chief_only.task_callbacks(arguments, strategy, collective_saves=True,
+                                          has_verbose="verbose" in signature.parameters)
+    if callbacks is not None:
         for callback in callbacks:
             if isinstance(callback, keras.callbacks.BackupAndRestore):
                 _make_backup_collective(callback, strategy)

@@ -1,0 +1,90 @@
+"""Who writes logs, checkpoints and summaries: the one rule every Keras adapter applies.
+
+A task asks its strategy (`strategy.extended.should_save_summary`,
+`strategy.extended.should_checkpoint`; the chief answers True to both) and
+runs the callbacks of `fit`/`evaluate`/`predict` as this table says:
+
+| callback | where `should_*` is True | where it is False |
+|---|---|---|
+| progress bar (`verbose`, `ProgbarLogger`), `CSVLogger`, `TensorBoard` | runs | `verbose=0`, the callback is dropped |
+| `ModelCheckpoint` | runs | saves are collectives: runs (every rank takes part, the chief writes); otherwise dropped |
+| `BackupAndRestore` | runs | restores as on the chief; saves are collectives: takes part; otherwise writes and deletes nothing |
+| any other callback | runs | runs |
+
+Who asks:
+
+- `MultiWorkerMirroredStrategy` ranks (`kdist.keras.replica.multi_worker`):
+  saves are collectives there (`collective_saves=True`);
+- between-graph `ParameterServerStrategy` workers
+  (`kdist.keras.parameter_server.adapter`): each worker trains alone, so a
+  worker other than the chief (worker 0) keeps no writer at all;
+- the coordinator of a `ParameterServerStrategy` (the chief): it is its own
+  chief, so every callback runs there, as in TensorFlow, where `Model.fit`
+  under `ParameterServerStrategy` runs its callbacks on the coordinator only.
+
+The reference is TensorFlow's multi-worker rule: only the chief writes the
+checkpoints and summaries a user reads; other workers write nothing there.
+"""
+
+import keras
+
+from kdist.keras import _compat
+
+SUMMARY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger)
+"""Callbacks that only write logs or summaries: they run where `should_save_summary` is True."""
+
+
+def task_callbacks(arguments, strategy, collective_saves, has_verbose=True):
+    """Applies the rule to the bound arguments of one `fit`/`evaluate`/`predict` call, in place.
+
+    Args:
+        arguments: the call's bound arguments (`inspect.BoundArguments.arguments`).
+        strategy: the model's strategy.
+        collective_saves: True where `model.save` is a collective of every
+            task that the chief writes (multi-worker), so checkpoint callbacks
+            run on every task; False where each task trains alone
+            (parameter-server workers), so a task that should not checkpoint
+            keeps no checkpoint writer.
+        has_verbose: whether the called method takes `verbose`.
+
+    Returns:
+        The list of callbacks this task runs, also stored in
+        `arguments["callbacks"]`; None when the call passes a
+        `keras.callbacks.CallbackList` (what `fit` hands its own validation
+        `evaluate`: already adjusted) or something that is not a callback
+        (Keras reports it), left unchanged.
+    """
+    extended = strategy.extended
+    writes_summaries, writes_checkpoints = extended.should_save_summary, extended.should_checkpoint
+    if not writes_summaries and has_verbose:
+        arguments["verbose"] = 0
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.Callback) and not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = [callbacks]
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        return None
+    kept = []
+    for callback in callbacks or ():
+        if isinstance(callback, SUMMARY_CALLBACKS) and not writes_summaries:
+            continue
+        if not writes_checkpoints and not collective_saves:
+            if isinstance(callback, keras.callbacks.ModelCheckpoint):
+                continue
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                restore_only(callback)
+        kept.append(callback)
+    arguments["callbacks"] = kept
+    return kept
+
+
+def restore_only(callback):
+    """Makes a `BackupAndRestore` restore as Keras does but write nothing: no backup, no deletion at the end.
+
+    For a task that trains alone and is not the chief: the backup directory
+    is the chief's, so writing there would replace the chief's backup with
+    this task's epoch, and deleting it at the end of this task's `fit` would
+    lose the chief's. Idempotent; installed on this instance only.
+    """
+    _compat.patch_backup_save(callback, lambda: None)
+    object.__setattr__(callback, "on_train_end", lambda logs=None: None)
+    object.__setattr__(callback, "_kdist_restore_only", True)
