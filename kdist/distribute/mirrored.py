@@ -45,12 +45,19 @@ class MirroredStrategy(Strategy):
         devices: device strings such as `["cuda:0", "cuda:1"]` or, on a
             CPU-only machine, logical replicas `["cpu:0", "cpu:1"]`. `None`
             means every visible GPU, or one CPU replica when there is none.
-        cross_device_ops: a `kdist.CrossDeviceOps` deciding how values are
-            reduced between devices; default `kdist.ReductionToOneDevice()`.
+        cross_device_ops: a `kdist.CrossDeviceOps` deciding how the Strategy
+            API reduces values between devices: `Strategy.reduce`,
+            `extended.reduce_to`, `batch_reduce_to`, `broadcast_to` and
+            `ReplicaContext.all_reduce`; default `kdist.ReductionToOneDevice()`.
+            The reductions of `model.fit`, `evaluate` and `predict` do not use
+            it: the replica engine combines gradients and state itself
+            (`docs/mirrored.md`, "Reductions and `cross_device_ops`").
 
     Raises:
         kdist.errors.InvalidDeviceError: a device is unknown or not visible,
             the list is empty, has duplicates, or mixes CPU and GPU.
+        kdist.errors.InvalidArgumentError: `cross_device_ops` is not a
+            `kdist.CrossDeviceOps` instance.
 
     Example:
 
