@@ -8,7 +8,7 @@ runs the callbacks of `fit`/`evaluate`/`predict` as this table says:
 |---|---|---|
 | progress bar (`verbose`, `ProgbarLogger`), `CSVLogger`, `TensorBoard` | runs | `verbose=0`, the callback is dropped |
 | `ModelCheckpoint` | runs | saves are collectives: runs (every rank takes part, the chief writes); otherwise dropped |
-| `BackupAndRestore` | runs | restores as on the chief; saves are collectives: takes part; otherwise writes and deletes nothing |
+| `BackupAndRestore` | runs | saves are collectives: takes part; otherwise keeps the task's own progress (no weights) in `<backup_dir>/<task>` (e.g. `worker-1`) |
 | any other callback | runs | runs |
 
 Who asks:
@@ -17,7 +17,10 @@ Who asks:
   saves are collectives there (`collective_saves=True`);
 - between-graph `ParameterServerStrategy` workers
   (`kdist.keras.parameter_server.adapter`): each worker trains alone, so a
-  worker other than the chief (worker 0) keeps no writer at all;
+  worker other than the chief (worker 0) keeps no checkpoint or summary
+  writer, and its `BackupAndRestore` writes, restores and deletes its own
+  backup only, in a subdirectory named after the task (its progress is its
+  own; the chief's backup is never touched, nor restored by another worker);
 - the coordinator of a `ParameterServerStrategy` (the chief): it is its own
   chief, so every callback runs there, as in TensorFlow, where `Model.fit`
   under `ParameterServerStrategy` runs its callbacks on the coordinator only.
@@ -26,15 +29,18 @@ The reference is TensorFlow's multi-worker rule: only the chief writes the
 checkpoints and summaries a user reads; other workers write nothing there.
 """
 
+import os
+
 import keras
 
-from kdist.keras import _compat
+from kdist.keras import _compat, atomic_save
+from kdist.atomic_files import is_remote
 
 SUMMARY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger)
 """Callbacks that only write logs or summaries: they run where `should_save_summary` is True."""
 
 
-def task_callbacks(arguments, strategy, collective_saves, has_verbose=True):
+def task_callbacks(arguments, strategy, collective_saves, has_verbose=True, task=None):
     """Applies the rule to the bound arguments of one `fit`/`evaluate`/`predict` call, in place.
 
     Args:
@@ -46,6 +52,9 @@ def task_callbacks(arguments, strategy, collective_saves, has_verbose=True):
             (parameter-server workers), so a task that should not checkpoint
             keeps no checkpoint writer.
         has_verbose: whether the called method takes `verbose`.
+        task: the task's name, e.g. `"worker-1"`: where a task that trains
+            alone and is not the chief keeps its own `BackupAndRestore`
+            backup (`<backup_dir>/<task>`).
 
     Returns:
         The list of callbacks this task runs, also stored in
@@ -71,20 +80,32 @@ def task_callbacks(arguments, strategy, collective_saves, has_verbose=True):
             if isinstance(callback, keras.callbacks.ModelCheckpoint):
                 continue
             if isinstance(callback, keras.callbacks.BackupAndRestore):
-                restore_only(callback)
+                own_backup(callback, task)
         kept.append(callback)
     arguments["callbacks"] = kept
     return kept
 
 
-def restore_only(callback):
-    """Makes a `BackupAndRestore` restore as Keras does but write nothing: no backup, no deletion at the end.
+def own_backup(callback, task):
+    """Moves a `BackupAndRestore` of a task that trains alone, and is not the chief, to `<backup_dir>/<task>`.
 
-    For a task that trains alone and is not the chief: the backup directory
-    is the chief's, so writing there would replace the chief's backup with
-    this task's epoch, and deleting it at the end of this task's `fit` would
-    lose the chief's. Idempotent; installed on this instance only.
+    There it keeps the task's progress (epoch and step; no weights) and
+    resumes from it.
+
+    The directory the user gave is the chief's: this task writing there would
+    replace the chief's backup with its own progress (and delete it when its
+    `fit` ends), and restoring from there would resume this task at the
+    chief's epoch and send the chief's weights to the servers. In its own
+    subdirectory it resumes from where it itself was. Idempotent.
     """
-    _compat.patch_backup_save(callback, lambda: None)
-    object.__setattr__(callback, "on_train_end", lambda logs=None: None)
-    object.__setattr__(callback, "_kdist_restore_only", True)
+    if getattr(callback, "_kdist_own_backup", None) is not None:
+        return
+    directory = str(callback.backup_dir)
+    remote = is_remote(directory)
+    _compat.set_backup_dir(callback, directory.rstrip("/" + os.sep) + ("/" if remote else os.sep) + task)
+    # Its progress only: the weights live on the servers, which every worker
+    # trains; restoring a worker's copy of them would undo the others' steps.
+    # (`model.save_weights` writes nothing on a worker other than the chief.)
+    _compat.patch_backup_save(
+        callback, (lambda: None) if remote else (lambda: atomic_save.write_backup(callback, lambda path: None)))
+    object.__setattr__(callback, "_kdist_own_backup", task)

@@ -236,7 +236,10 @@ class _BackupResume:
             self._announce(epoch, 0)
             return
         model = callback.model
-        if state["iterations"] is not None and _iterations(model) != state["iterations"]:
+        # A progress-only backup (a parameter-server worker other than the chief:
+        # `kdist.keras.chief_only.own_backup`) has no weights to disagree with.
+        has_weights = os.path.exists(compat_callbacks.backup_paths(callback).weights)
+        if state["iterations"] is not None and has_weights and _iterations(model) != state["iterations"]:
             raise KdistError(
                 f"The backup in {callback.backup_dir} is inconsistent: its weights file holds an optimizer "
                 f"at iteration {_iterations(model)} but its metadata names iteration {state['iterations']} "

@@ -7,8 +7,8 @@ progress bar. Worker 1 (not the chief) writes no file and prints no progress;
 its other callbacks run and its `fit` trains. The control is worker 0 (the
 chief) with the same call: every writer writes, so the check can see a write.
 
-A backup the chief wrote is restored by worker 1, and neither rewritten nor
-deleted when its `fit` ends (the chief's backup is not worker 1's to touch).
+Worker 1's `BackupAndRestore` keeps its own progress in `<backup_dir>/worker-1`:
+it never restores, rewrites or deletes the chief's, and it resumes from its own.
 """
 
 import keras
@@ -74,8 +74,9 @@ def test_only_the_chief_worker_writes(tmp_path, capsys, worker):
     files = files_under(tmp_path)
     if worker == 1:
         assert not strategy.extended.should_checkpoint and not strategy.extended.should_save_summary
-        assert files == []
-        assert list(tmp_path.iterdir()) == []  # no directory either
+        # Its own progress only (delete_checkpoint=False keeps it after fit); the
+        # weights are the servers', which the chief saves.
+        assert files == ["backup/worker-1/training_metadata.json"]
         assert f"Epoch 1/{EPOCHS}" not in progress
     else:
         # The control: the same callbacks on the chief write every file.
@@ -86,18 +87,40 @@ def test_only_the_chief_worker_writes(tmp_path, capsys, worker):
         assert f"Epoch 1/{EPOCHS}" in progress
 
 
-def test_a_non_chief_worker_restores_the_chiefs_backup_and_leaves_it(tmp_path):
+def test_a_non_chief_worker_keeps_its_own_backup_and_never_touches_the_chiefs(tmp_path):
     backup = tmp_path / "backup"
     with _ps.in_process_servers(1, num_workers=2) as cluster:
         train(cluster, 0, [keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)], epochs=1)
-    before = {name: (backup / name).read_bytes() for name in files_under(backup)}
-    assert set(before) == {"latest.weights.h5", "training_metadata.json"}
+    chiefs = {name: (backup / name).read_bytes() for name in files_under(backup)}
+    assert set(chiefs) == {"latest.weights.h5", "training_metadata.json"}
 
+    # Worker 1 starts: the chief's backup is not its progress, so it starts at epoch 0.
     recorder = Recorder()
     with _ps.in_process_servers(1, num_workers=2) as cluster:
-        # delete_checkpoint=True: Keras would remove the directory at the end of fit.
+        train(cluster, 1, [keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False), recorder],
+              epochs=1)
+    assert recorder.epochs == [0]
+    assert files_under(backup) == sorted([*chiefs, "worker-1/training_metadata.json"])
+
+    # Worker 1 comes back: it resumes after its own epoch 0, then deletes its own backup only.
+    recorder = Recorder()
+    with _ps.in_process_servers(1, num_workers=2) as cluster:
         callbacks = [keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=True), recorder]
         train(cluster, 1, callbacks, epochs=EPOCHS)
+    assert recorder.epochs == list(range(1, EPOCHS))
+    assert {name: (backup / name).read_bytes() for name in files_under(backup)} == chiefs
 
-    assert recorder.epochs == list(range(1, EPOCHS))  # resumed after the chief's epoch 0
-    assert {name: (backup / name).read_bytes() for name in files_under(backup)} == before
+
+def test_negative_control_without_the_rule_worker_1_resumes_from_the_chiefs_backup(tmp_path, monkeypatch):
+    # What the rule prevents: worker 1 reading the chief's backup as its own progress.
+    from kdist.keras import chief_only
+
+    monkeypatch.setattr(chief_only, "own_backup", lambda callback, task: None)
+    backup = tmp_path / "backup"
+    with _ps.in_process_servers(1, num_workers=2) as cluster:
+        train(cluster, 0, [keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)], epochs=1)
+    recorder = Recorder()
+    with _ps.in_process_servers(1, num_workers=2) as cluster:
+        train(cluster, 1, [keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False), recorder],
+              epochs=EPOCHS)
+    assert recorder.epochs == list(range(1, EPOCHS))  # skipped the epoch the chief had done

@@ -26,7 +26,13 @@ from kdist.keras._compat import callbacks as _callbacks
 from kdist.keras._compat import layers as _layers
 from kdist.keras._compat import losses as _losses
 from kdist.keras._compat import optimizers as _optimizers
-from kdist.keras._compat.callbacks import BackupPaths, backup_metadata, backup_paths, patch_backup_save  # noqa: F401
+from kdist.keras._compat.callbacks import (  # noqa: F401
+    BackupPaths,
+    backup_metadata,
+    backup_paths,
+    patch_backup_save,
+    set_backup_dir,
+)
 from kdist.keras._compat.layers import (  # noqa: F401
     batchnorm_local_moments,
     batchnorm_reduction_axes,

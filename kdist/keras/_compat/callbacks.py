@@ -40,6 +40,16 @@ def backup_paths(callback):
     )
 
 
+def set_backup_dir(callback, backup_dir):
+    """Points a `BackupAndRestore` at `backup_dir`: every file path, as Keras' constructor derives them."""
+    fresh = keras.callbacks.BackupAndRestore(backup_dir)
+    callback.backup_dir = fresh.backup_dir
+    callback._weights_path = fresh._weights_path
+    callback._training_metadata_path = fresh._training_metadata_path
+    callback._prev_weights_path = fresh._prev_weights_path
+    callback._prev_training_metadata_path = fresh._prev_training_metadata_path
+
+
 def backup_metadata(callback):
     """The JSON document Keras' `BackupAndRestore` writes beside the weights."""
     metadata = {"epoch": callback._current_epoch, "batch": callback._last_batch_seen}

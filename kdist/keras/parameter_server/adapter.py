@@ -47,7 +47,7 @@ class ParameterServerAdapter(ReplicaAdapter):
         session = worker_steps.session_of(model)
         strategy = session.strategy
         atomic_save.make_backups_atomic(method, model, name, args, kwargs)
-        # After make_backups_atomic: a task that does not write keeps its backups restore-only.
+        # After make_backups_atomic: a worker other than the chief moves its backups to its own directory.
         args, kwargs = _task_callbacks(method, name, args, kwargs, strategy)
         if name in ("fit", "evaluate") and strategy.extended.drives_workers:
             # The chief drives the workers; it trains nothing itself. During the call
@@ -88,8 +88,10 @@ def _task_callbacks(method, name, args, kwargs, strategy):
         bound = signature.bind(None, *args, **kwargs)
     except TypeError:
         return args, kwargs  # Keras reports the bad call itself
+    resolver = strategy.cluster_resolver
     chief_only.task_callbacks(bound.arguments, strategy, collective_saves=False,
-                              has_verbose="verbose" in signature.parameters)
+                              has_verbose="verbose" in signature.parameters,
+                              task=f"{resolver.task_type}-{resolver.task_id}")
     return bound.args[1:], bound.kwargs
 
 
