@@ -7,6 +7,13 @@ line that is not a rename: torch has no `tf.GradientTape`, so the gradients
 come from `loss.backward()` and each variable's `.grad`. `@tf.function` is
 dropped (the step runs eagerly). Checkpoints use `model.save_weights`.
 
+`train(strategy, epochs=..., dtype="float64")` is the same program in
+float64, for tests that tell float32 summation order from a real difference
+(tests/keras/replica/test_custom_loop_equivalence.py). Keras' torch backend
+computes `ops.matmul` of two float64 tensors in float32 (its type promotion
+maps float64 to float32 off TensorFlow), so in float64 the Dense layers are
+the same affine maps written as `EinsumDense`, which stays in float64.
+
 Imported, `train(strategy)` runs it and returns what the tests compare; run as
 a script (under `kdist launch`) it trains with `MultiWorkerMirroredStrategy`
 and writes `<out>/rank<r>.npz`.
@@ -23,7 +30,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-GLOBAL_BATCH_SIZE = 60  # 1000 = 16 * 60 + 40: the last batch is partial
+GLOBAL_BATCH_SIZE = 60
+NUM_TRAIN = 800  # 800 = 13 * 60 + 20: the last batch is partial, as in the tutorial
 EPOCHS = 2
 SEED = 3
 
@@ -35,28 +43,49 @@ def make_data():
     return images, labels.astype("int64")
 
 
-def create_model():
+def create_model(dtype="float32"):
     regularizer = keras.regularizers.L2(1e-3)
+
+    def dense(units, activation=None):
+        if dtype == "float32":
+            return keras.layers.Dense(units, activation=activation, kernel_regularizer=regularizer)
+        return keras.layers.EinsumDense(
+            "ab,bc->ac", output_shape=units, bias_axes="c", activation=activation, kernel_regularizer=regularizer
+        )
+
     model = keras.Sequential(
         [
             keras.Input((8, 8, 1)),
             keras.layers.Conv2D(8, 3, activation="relu", kernel_regularizer=regularizer),
             keras.layers.MaxPooling2D(),
             keras.layers.Flatten(),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
-            keras.layers.Dense(3, kernel_regularizer=regularizer),
+            dense(16, activation="relu"),
+            dense(3),
         ]
     )
     return model
 
 
-def train(strategy):
-    """The tutorial's program; returns weights, optimizer state and per-epoch logs."""
+def train(strategy, epochs=EPOCHS, dtype="float32"):
+    """The tutorial's program; returns weights, optimizer state and per-epoch logs.
+
+    `dtype="float64"` runs it with `keras.config.floatx()` float64 (restored after).
+    """
+    previous_floatx = keras.config.floatx()
+    keras.config.set_floatx(dtype)
+    try:
+        return _train(strategy, epochs, dtype)
+    finally:
+        keras.config.set_floatx(previous_floatx)
+
+
+def _train(strategy, epochs, dtype):
     keras.utils.set_random_seed(SEED)
     images, labels = make_data()
+    images = images.astype(dtype)
     train_dataset = [
-        (images[i : i + GLOBAL_BATCH_SIZE], labels[i : i + GLOBAL_BATCH_SIZE])
-        for i in range(0, 800, GLOBAL_BATCH_SIZE)
+        (images[i : min(i + GLOBAL_BATCH_SIZE, NUM_TRAIN)], labels[i : min(i + GLOBAL_BATCH_SIZE, NUM_TRAIN)])
+        for i in range(0, NUM_TRAIN, GLOBAL_BATCH_SIZE)
     ]
     test_dataset = [(images[800:900], labels[800:900]), (images[900:], labels[900:])]
     train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
@@ -75,7 +104,7 @@ def train(strategy):
         test_loss = keras.metrics.Mean(name="test_loss")
         train_accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = keras.metrics.SparseCategoricalAccuracy(name="test_accuracy")
-        model = create_model()
+        model = create_model(dtype)
         optimizer = keras.optimizers.Adam(learning_rate=0.01)
 
     def train_step(inputs):
@@ -105,7 +134,7 @@ def train(strategy):
         return strategy.run(test_step, args=(dataset_inputs,))
 
     history = []
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         total_loss = 0.0
         num_batches = 0
         for x in train_dist_dataset:
@@ -129,7 +158,7 @@ def train(strategy):
     results.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)})
     results["history"] = np.asarray(history)
     results["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
-    results["steps"] = np.asarray(EPOCHS * len(train_dataset))
+    results["steps"] = np.asarray(epochs * len(train_dataset))
     return results
 
 
