@@ -71,12 +71,16 @@ def train(strategy, epochs=EPOCHS, dtype="float32"):
 
     `dtype="float64"` runs it with `keras.config.floatx()` float64 (restored after).
     """
-    previous_floatx = keras.config.floatx()
+    previous_floatx, previous_policy = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx(dtype)
+    # Keras keeps the global dtype policy it first derived from floatx: set it too,
+    # or a layer built earlier in this process leaves it at float32.
+    keras.config.set_dtype_policy(dtype)
     try:
         return _train(strategy, epochs, dtype)
     finally:
         keras.config.set_floatx(previous_floatx)
+        keras.config.set_dtype_policy(previous_policy)
 
 
 def _train(strategy, epochs, dtype):
