@@ -79,10 +79,7 @@ def reduce_tensors(reduce_op, tensors, device):
             f"{[tuple(t.shape) for t in tensors]}. Pass axis=0 to Strategy.reduce to "
             "reduce along the batch dimension first (needed for a partial last batch)."
         )
-    moved = copy_to_device(tensors, device)
-    total = moved[0].clone()
-    for tensor in moved[1:]:
-        total += tensor
+    (total,) = weighted_sum([[tensor] for tensor in tensors], [1.0] * len(tensors), device)
     if ReduceOp.from_value(reduce_op) is ReduceOp.MEAN:
         total = divide(total, len(tensors))
     return total

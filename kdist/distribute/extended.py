@@ -72,10 +72,6 @@ class StrategyExtended:
         """`(total, count)` summed over every process of the job; one process: unchanged."""
         return total, count
 
-    def _sum_tensors_over_processes(self, tensors):
-        """Element-wise sums of `tensors` over every process of the job; one process: unchanged."""
-        return list(tensors)
-
     # One input pipeline per process: `InputContext` fields for this process.
     num_input_pipelines = 1
     input_pipeline_id = 0

@@ -107,12 +107,6 @@ class MultiWorkerExtended(ChiefRoles, MirroredExtended):
         )
         return summed.to(total.dtype), int(counts.item())
 
-    def _sum_tensors_over_processes(self, tensors):
-        tensors = list(tensors)
-        # Only gradients come here (custom loops' apply_gradients): compressed like the engine's.
-        summed = self.collectives.all_reduce_sum(tensors, name="sum_tensors", compressed=True)
-        return [total.to(tensor.device) for total, tensor in zip(summed, tensors)]
-
     def gather_to(self, value, axis, destination):
         """Concatenates the components of every process along `axis`, in replica order."""
         local = super().gather_to(value, axis, HOST_DEVICE)

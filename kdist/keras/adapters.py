@@ -16,11 +16,33 @@ asks `adapter_for(strategy)` instead of guessing what the strategy is:
 The lookup walks the strategy's class MRO, so the most specific registration
 wins and a subclass inherits its base's adapter (as Lightning's registry of
 strategies does).
+
+**The optimizer step.** `optimizer.apply` is intercepted once (`install_optimizer_step`:
+on Keras' optimizer classes, and on the instance of a model's optimizer by
+`attach_optimizer`, so an `apply` a subclass overrides is routed before its own
+code runs). Every call goes to `KerasAdapter.optimizer_step` of the adapter that
+owns the optimizer: the strategy of the model it was attached to, else the
+current strategy. An adapter decides there what a call means (record a
+replica's gradients, merge replicas, apply); whatever finally updates
+variables (the replica engine, merge mode, a custom loop's merge, a
+parameter-server push) goes through `apply_update`, which calls the owner's
+`KerasAdapter.apply_gradients`. That one method is where an update is made:
+plain Keras `apply` here, a push to the servers for parameter servers; an
+optimizer-state sharding (ZeRO-1) would override it alone.
 """
 
+import contextlib
+import functools
+import threading
 import types
 
+import keras
+
+from kdist.distribute import context
+
 _registry = {}
+_thread = threading.local()
+_optimizer_step_installed = False
 
 
 class KerasAdapter:
@@ -49,6 +71,84 @@ class KerasAdapter:
     def on_variable_initializing(self, variable, initializer):
         """Called before Keras computes a variable's first value in the scope: a `torch.nn.Parameter`, or None."""
         return None
+
+    def optimizer_step(self, optimizer, gradients, variables):
+        """What `optimizer.apply(gradients, variables)` does for an optimizer this adapter owns.
+
+        Args:
+            optimizer: the Keras optimizer whose `apply` was called.
+            gradients: the gradients passed to it.
+            variables: the variables passed to it (None: the optimizer's own).
+        """
+        return self.apply_gradients(optimizer, gradients, variables)
+
+    def apply_gradients(self, optimizer, gradients, variables):
+        """Updates `variables` with final gradients: Keras' own `apply`, not routed again."""
+        with _unrouted():
+            return optimizer.apply(gradients, variables)
+
+
+def adapter_of(optimizer):
+    """The adapter that owns `optimizer`: its attached strategy's, else the current strategy's."""
+    strategy = getattr(optimizer, "_kdist_strategy", None)
+    return adapter_for(strategy if strategy is not None else context.get_strategy())
+
+
+def apply_update(optimizer, gradients, variables):
+    """Applies final (combined) gradients the way `optimizer`'s owner does: the one way to the real `apply`."""
+    return adapter_of(optimizer).apply_gradients(optimizer, gradients, variables)
+
+
+@contextlib.contextmanager
+def _unrouted():
+    """While active (in this thread), `apply` runs Keras' own code: the adapter already decided."""
+    previous = getattr(_thread, "unrouted", False)
+    _thread.unrouted = True
+    try:
+        yield
+    finally:
+        _thread.unrouted = previous
+
+
+def _intercepted(optimizer, original, grads, trainable_variables=None):
+    if getattr(_thread, "unrouted", False):
+        return original(grads, trainable_variables)
+    return adapter_of(optimizer).optimizer_step(optimizer, grads, trainable_variables)
+
+
+def attach_optimizer(optimizer, strategy):
+    """Makes `strategy`'s adapter own `optimizer`, routing `apply` on the instance first. Idempotent.
+
+    The latest attach wins: an optimizer compiled again under another strategy follows it.
+    """
+    if optimizer is None:
+        return
+    object.__setattr__(optimizer, "_kdist_strategy", strategy)
+    if getattr(optimizer, "_kdist_routed_instance", False):
+        return
+    original = optimizer.apply
+    object.__setattr__(optimizer, "apply", functools.partial(_intercepted, optimizer, original))
+    object.__setattr__(optimizer, "_kdist_routed_instance", True)
+
+
+def install_optimizer_step():
+    """Routes `apply` of every optimizer class Keras ships to its owner's `optimizer_step`. Idempotent."""
+    global _optimizer_step_installed
+    if _optimizer_step_installed:
+        return
+    for cls in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
+        _route_class(cls)
+    _optimizer_step_installed = True
+
+
+def _route_class(cls):
+    original_apply = cls.apply
+
+    @functools.wraps(original_apply)
+    def apply(self, grads, trainable_variables=None):
+        return _intercepted(self, functools.partial(original_apply, self), grads, trainable_variables)
+
+    cls.apply = apply
 
 
 def register(strategy_class, adapter_class):

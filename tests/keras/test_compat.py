@@ -44,8 +44,6 @@ KDIST_PACKAGE = KERAS_PACKAGE.parent
 KDIST_PRIVATE_ATTRIBUTES = {
     # ParameterServerExtended's placement hook, called for each model variable born in scope.
     "_on_variable_created",
-    # StrategyExtended's element-wise sum over processes (custom loops' apply_gradients).
-    "_sum_tensors_over_processes",
     # The JAX backend's strategy (kdist.backends.jax): the models it owns.
     "_models",
     # torch's fused list ops and a tensor's in-place version counter.

@@ -1,9 +1,11 @@
 """The Keras adapter of `ParameterServerStrategy`, and where each call of a model goes.
 
 A model attached to a parameter-server strategy first gets everything the
-replica engine does (`ReplicaAdapter`: several local devices train in sync),
-then the parameter-server wrappers of `kdist.keras.parameter_server.worker_steps`
-(the optimizer pushes, step functions pull first and push last).
+replica engine does (`ReplicaAdapter`: several local devices train in sync,
+their gradients recorded or merged by `optimizer_step`), then the
+parameter-server parts of `kdist.keras.parameter_server.worker_steps`: the
+optimizer's update is a push (`apply_gradients`), step functions pull first
+and push last.
 
 Who writes logs, checkpoints and summaries: `kdist.keras.chief_only`, for
 every task (a worker other than the chief writes none; the coordinator is the
@@ -37,9 +39,8 @@ class ParameterServerAdapter(ReplicaAdapter):
     """`KerasAdapter` of `ParameterServerStrategy` (worker and coordinator alike)."""
 
     def attach(self, model):
-        # Before the replica engine's wrapper, which then records around this one.
-        worker_steps.connect_optimizer(model, self.strategy)
         super().attach(model)
+        worker_steps.connect_optimizer(model, self.strategy)
         # After the replica engine's overrides: pull first, push last around them.
         worker_steps.wrap_step_functions(model, self.strategy)
 
@@ -66,6 +67,10 @@ class ParameterServerAdapter(ReplicaAdapter):
             with chief_fit.one_step_per_execution(model):
                 return worker_steps.local_call(method, model, name, args, kwargs)
         return worker_steps.local_call(method, model, name, args, kwargs)
+
+    def apply_gradients(self, optimizer, gradients, variables):
+        # The servers apply the optimizer; this worker pushes the gradients.
+        return worker_steps.push_update(optimizer, gradients, variables)
 
     def on_variable_created(self, variable):
         worker_steps.on_variable_created(variable, self.strategy)

@@ -5,7 +5,8 @@ What changes for a model attached to a parameter-server strategy:
 - every step function (`train`/`test`/`predict`, Keras' own or the replica
   engine's) first pulls the variables that changed on the servers into the
   local copies — one request per server;
-- the optimizer's `apply` no longer updates anything locally: it scales and
+- the optimizer's update (`push_update`, the parameter-server adapter's
+  `apply_gradients`) changes nothing locally: it scales and
   clips the gradients as the optimizer would (norms need whole gradients,
   which only the worker has), then the step's update goes to the servers in
   one push per server, together with non-trainable state the step changed
@@ -32,11 +33,10 @@ import torch
 
 from kdist import faults
 from kdist.errors import UnsupportedError
-from kdist.keras import _compat, atomic_save
+from kdist.keras import _compat, adapters, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.parameter_server import optimizer_restore, remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
-from kdist.keras.replica import gradient_merge
 from kdist.ps.optimizer_host import slot_name
 
 _local = threading.local()
@@ -201,11 +201,7 @@ def session_for(model, strategy):
 
 
 def connect_optimizer(model, strategy):
-    """Makes the model's optimizer push to the parameter servers.
-
-    Must run before the replica engine wraps the optimizer (its recording
-    wrapper then calls this one with the combined gradients).
-    """
+    """Makes the model's optimizer push to the parameter servers."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         _wrap_optimizer(optimizer, session_for(model, strategy))
@@ -219,39 +215,18 @@ def wrap_step_functions(model, strategy):
 
 
 def _wrap_optimizer(optimizer, session):
-    """Replaces `optimizer.apply` by a push to `session`'s servers; later calls only switch the session.
+    """Makes `optimizer` push to `session`'s servers (through its adapter); later calls only switch the session.
 
-    Wrapping once keeps whatever wrapped this wrapper (the replica engine's
-    recorder) in place when a model is compiled again.
+    `kdist.keras.adapters.attach_optimizer` makes the parameter-server adapter
+    own it: its `apply_gradients` is `push_update`. Its slots are recorded
+    under the servers' names as they are made.
     """
     already_wrapped = getattr(optimizer, "_kdist_ps_session", None) is not None
     object.__setattr__(optimizer, "_kdist_ps_session", session)
+    adapters.attach_optimizer(optimizer, session.strategy)
     if already_wrapped:
         return
     original_add = optimizer.add_variable_from_reference
-
-    def apply(grads, trainable_variables=None):
-        # Replicas of one worker record (fit) or merge (strategy.run) first: one combined push.
-        if gradient_merge.route(optimizer, grads, trainable_variables):
-            return None
-        session = optimizer._kdist_ps_session
-        if trainable_variables is None:
-            trainable_variables = _compat.optimizer_trainable_variables(optimizer)
-        step = _current_step()
-        with torch.no_grad():
-            dense, rows = session.update_from(optimizer, list(grads), list(trainable_variables), step)
-            optimizer.iterations.assign_add(1)
-        if step is not None:
-            if step.pending:
-                # A second apply in one step function call: send the first now.
-                session.send_updates(step.dense, step.row_updates)
-            step.dense, step.row_updates, step.pending = dense, rows, True
-            return
-        # A custom training loop: push at once, then read the result back as a
-        # local apply would have changed the variables.
-        session.send_updates(dense, rows)
-        # Tables read by rows stay on the servers: the next lookup reads the new rows.
-        session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows if not entry.row_sparse])
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
         with remote_tables.slot_of(reference_variable):  # a table the servers hold: so are its slots
@@ -266,8 +241,32 @@ def _wrap_optimizer(optimizer, session):
 
     object.__setattr__(optimizer, "_kdist_ps_slots", {})
     object.__setattr__(optimizer, "_kdist_ps_slot_names", {})
-    object.__setattr__(optimizer, "apply", apply)
     object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+
+
+def push_update(optimizer, gradients, variables):
+    """The update of `optimizer.apply(gradients, variables)` under parameter servers: a push.
+
+    In a step function the push waits for the call's end (one per step); in a
+    custom loop it goes at once, and what it changed is read back as a local
+    `apply` would have changed the variables.
+    """
+    session = optimizer._kdist_ps_session
+    if variables is None:
+        variables = _compat.optimizer_trainable_variables(optimizer)
+    step = _current_step()
+    with torch.no_grad():
+        dense, rows = session.update_from(optimizer, list(gradients), list(variables), step)
+        optimizer.iterations.assign_add(1)
+    if step is not None:
+        if step.pending:
+            # A second apply in one step function call: send the first now.
+            session.send_updates(step.dense, step.row_updates)
+        step.dense, step.row_updates, step.pending = dense, rows, True
+        return
+    session.send_updates(dense, rows)
+    # Tables read by rows stay on the servers: the next lookup reads the new rows.
+    session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows if not entry.row_sparse])
 
 
 def _wrap_make_function(model, kind, session):

@@ -1,7 +1,7 @@
 """The Keras adapter of synchronous strategies (default, `MirroredStrategy`, `MultiWorkerMirroredStrategy`).
 
-- The optimizer's `apply` records or merges gradients during replica steps
-  (`kdist.keras.replica.gradient_merge`, which also routes every optimizer class).
+- `optimizer_step`: the optimizer's `apply` records or merges gradients during
+  replica steps (`kdist.keras.replica.gradient_merge`) and applies them otherwise.
 - With more than one replica, `make_train_function`/`make_test_function`/
   `make_predict_function` return the replica engine's step functions.
 - Across processes (`MultiWorkerMirroredStrategy`): `fit`/`evaluate`/
@@ -32,7 +32,7 @@ class ReplicaAdapter(adapters.KerasAdapter):
 
     def attach(self, model):
         strategy = self.strategy
-        gradient_merge.wrap(getattr(model, "optimizer", None))
+        adapters.attach_optimizer(getattr(model, "optimizer", None), strategy)
         if strategy.extended.collectives is not None and not faults.ACTIVE.upstream_metrics_result:
             # Metrics are already combined across processes by kdist (see _compat).
             adapters.override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
@@ -42,6 +42,12 @@ class ReplicaAdapter(adapters.KerasAdapter):
                 adapters.override(model, f"make_{kind}_function", make_function(kind, engine))
                 # Drop step functions Keras may have built before the model was attached.
                 object.__setattr__(model, f"{kind}_function", None)
+
+    def optimizer_step(self, optimizer, gradients, variables):
+        # Replicas record (the engine's steps) or merge (strategy.run, merge mode) first.
+        if gradient_merge.route(optimizer, gradients, variables):
+            return None
+        return self.apply_gradients(optimizer, gradients, variables)
 
     def route_call(self, method, model, name, args, kwargs):
         strategy = self.strategy
@@ -196,6 +202,6 @@ class BatchNormShardGuard:
 
 def install():
     """Registers `ReplicaAdapter` for every strategy and makes optimizers record replica gradients. Idempotent."""
-    # Every optimizer's `apply` records or merges when replicas call it.
-    gradient_merge.install()
+    # Every optimizer's `apply` goes to its owner's `optimizer_step`.
+    adapters.install_optimizer_step()
     adapters.register(Strategy, ReplicaAdapter)

@@ -33,7 +33,7 @@ from kdist.collectives.local import copy_to_device
 from kdist.distribute import context
 from kdist.distribute.batching import split_batch
 from kdist.errors import UnsupportedError
-from kdist.keras import _compat, sync_batchnorm
+from kdist.keras import _compat, adapters, sync_batchnorm
 from kdist.keras.replica import (
     float8_sync,
     gradient_accumulation,
@@ -170,7 +170,7 @@ class ReplicaEngine:
             self.reconcile(state, scopes, weights, pending)
         with torch.no_grad():
             for optimizer, variables, gradients in updates:
-                optimizer.apply(gradients, variables)
+                adapters.apply_update(optimizer, gradients, variables)
         return self.merge_logs(replica_logs, weights)
 
     def _test_batch(self, batch):

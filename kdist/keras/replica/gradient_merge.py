@@ -1,6 +1,7 @@
 """What `optimizer.apply` does when replicas call it.
 
-Every `apply` (and so `apply_gradients`) asks `route` first, which decides:
+The replica adapter's `optimizer_step` (`kdist.keras.adapters`, where `apply`
+is intercepted) asks `route` first, which decides:
 
 1. **Recorded** — inside a step of the replica engine's sequential mode
    (`recording`): the gradients are recorded and nothing is applied; the
@@ -14,34 +15,27 @@ Every `apply` (and so `apply_gradients`) asks `route` first, which decides:
    In the replica engine's merge mode (`combining`) the engine's own weighted
    rule combines them instead.
 3. **Applied** — anywhere else (cross-replica context, one replica, no
-   strategy): the optimizer's own `apply`.
+   strategy): the adapter's `apply_gradients` (Keras' own `apply`, or a push
+   to the parameter servers).
 
-The hook sits on `keras.optimizers.Optimizer.apply` and
-`keras.optimizers.LossScaleOptimizer.apply` (`install`, so it reaches every
-optimizer, including ones no model owns), and on the instance of a model's
-optimizer (`wrap`, which the replica adapter's `attach` calls), outside any
-wrapper a parameter-server strategy installs there. That wrapper
-(`kdist.keras.parameter_server.worker_steps`, the push to the servers) asks
-`route` itself before it pushes, so on a parameter-server worker a call that
-`wrap` let through is routed a second time, with the same answer.
+Combined gradients reach the real update through `adapters.apply_update`,
+never through `optimizer.apply` again, so each call is routed once.
 """
 
 import contextlib
-import functools
 import threading
 
-import keras
 import torch
 
 from kdist import faults
+from kdist.collectives.local import weighted_sum
 from kdist.distribute import context
 from kdist.distribute.values import PerReplica
 from kdist.errors import ReplicaGradientError
-from kdist.keras import _compat
-from kdist.keras.replica import loss_denominators
+from kdist.keras import _compat, adapters
+from kdist.keras.replica import loss_denominators, process_sync
 
 _thread = threading.local()
-_installed = False
 
 
 class GradientRecorder:
@@ -127,7 +121,6 @@ def route(optimizer, gradients, variables):
     return True
 
 
-
 def _variables(optimizer, variables):
     if variables is None:
         return list(_compat.optimizer_trainable_variables(optimizer))
@@ -170,57 +163,20 @@ def _sum_and_apply(strategy, optimizer, gradients, variables):
                 "variables."
             )
         present.append(position)
-    summed = []
+    # One local sum per device the variables live on, then one sum over processes.
+    by_device = {}
+    for position in present:
+        by_device.setdefault(_compat.torch_tensor_of(variables[position]).device, []).append(position)
+    full = [None] * len(variables)
     with torch.no_grad():
-        for position in present:
-            device = _compat.torch_tensor_of(variables[position]).device
-            total = lists[0][position].to(device).clone()
-            for grads in lists[1:]:
-                total.add_(grads[position].to(device))
-            summed.append(total)
-        summed = strategy.extended._sum_tensors_over_processes(summed)
-        full = [None] * len(variables)
-        for position, total in zip(present, summed):
-            full[position] = total
-        optimizer.apply(full, variables)
-
-
-def wrap(optimizer):
-    """Routes `optimizer.apply` on this instance before any wrapper already on it. Idempotent.
-
-    `optimizer._kdist_original_apply` is what the instance did before: the
-    replica engine calls it to apply combined gradients.
-    """
-    if optimizer is None or getattr(optimizer, "_kdist_original_apply", None) is not None:
-        return
-    original_apply = optimizer.apply
-
-    def apply(grads, trainable_variables=None):
-        if route(optimizer, grads, trainable_variables):
-            return None
-        return original_apply(grads, trainable_variables)
-
-    object.__setattr__(optimizer, "_kdist_original_apply", original_apply)
-    object.__setattr__(optimizer, "apply", apply)
-
-
-def install():
-    """Routes `apply` for every optimizer class Keras ships. Idempotent."""
-    global _installed
-    if _installed:
-        return
-    for cls in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
-        _route_class(cls)
-    _installed = True
-
-
-def _route_class(cls):
-    original_apply = cls.apply
-
-    @functools.wraps(original_apply)
-    def apply(self, grads, trainable_variables=None):
-        if route(self, grads, trainable_variables):
-            return None
-        return original_apply(self, grads, trainable_variables)
-
-    cls.apply = apply
+        for device, positions in by_device.items():
+            sums = weighted_sum([[grads[p] for p in positions] for grads in lists], [1.0] * len(lists), device)
+            for position, total in zip(positions, sums):
+                full[position] = total
+        processes = process_sync.for_strategy(strategy)
+        if processes is not None and present:
+            # Custom loops' gradients are compressed like the engine's.
+            summed = processes.sum_tensors([full[p] for p in present], name="sum_tensors", compressed=True)
+            for position, total in zip(present, summed):
+                full[position] = total.to(full[position].device)
+        adapters.apply_update(optimizer, full, variables)

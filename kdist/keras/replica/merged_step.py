@@ -22,7 +22,7 @@ import torch
 
 from kdist.collectives.local import copy_to_device
 from kdist.distribute import context, replica_runner
-from kdist.keras import _compat, sync_batchnorm
+from kdist.keras import _compat, adapters, sync_batchnorm
 from kdist.keras.replica import gradient_combine, gradient_merge, loss_denominators
 
 
@@ -124,7 +124,7 @@ class _MergedApply:
             engine.processes.wait(pending)
         self._num_calls += 1
         with torch.no_grad():
-            optimizer.apply(gradients, variables)
+            adapters.apply_update(optimizer, gradients, variables)
         self._refresh_copies(variables)
 
     def _refresh_copies(self, variables):

@@ -104,9 +104,9 @@ class ProcessSync:
     def wait(self, works):
         self._collectives.wait(works)
 
-    def sum_tensors(self, tensors, name):
-        """Element-wise sums of `tensors` over ranks (bucketed, blocking, exact)."""
-        return self._collectives.all_reduce_sum(tensors, name=name)
+    def sum_tensors(self, tensors, name, compressed=False):
+        """Element-wise sums of `tensors` over ranks (bucketed, blocking; exact unless `compressed`)."""
+        return self._collectives.all_reduce_sum(tensors, name=name, compressed=compressed)
 
     def sum_over_ranks(self, values):
         """Sums a few Python floats over ranks (one small blocking all-reduce); returns floats."""
