@@ -6,7 +6,7 @@ Layout of a checkpoint directory:
   version, trainable flag and optimizer (config JSON, iterations, slots).
 - one `.npy` file per value and per slot (`allow_pickle=False`), named by
   position, since variable names may contain "/". bfloat16 arrays are stored
-  as their int16 bits (`.npy` has no bfloat16; `kdist.ps.dtypes.storable`) and
+  as their int16 bits (`.npy` has no bfloat16; `kdist.rpc.dtypes.storable`) and
   read back exactly as bfloat16: the manifest keeps the real dtype.
 
 `save` writes into a temporary directory next to the target, fsyncs every
@@ -29,7 +29,8 @@ import numpy as np
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec, dtypes
+from kdist.ps import codec
+from kdist.rpc import dtypes
 from kdist.ps.optimizer_host import VariableOptimizer
 from kdist.ps.status import NotFoundError, ResourceExhaustedError
 from kdist.ps.variable_entry import VariableEntry, make_variable

@@ -20,7 +20,7 @@ from kdist.ps.client_payload import (
 from kdist.ps.methods import METHODS
 from kdist.ps.optimizer_host import canonical_config
 from kdist.ps.options import ServiceOptions
-from kdist.ps.security import Security
+from kdist.rpc.security import Security
 from kdist.ps.values import (
     PushResult,
     ServerStats,
@@ -82,7 +82,7 @@ class VariableClient:
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
             *CALLING_THREAD_OPTIONS,
         ]
-        # Proves the cluster secret and checks the server's proof (kdist.ps.auth).
+        # Proves the cluster secret and checks the server's proof (kdist.rpc.auth).
         self._channel = security.channel(address, channel_options)
         self._metadata = ()
         self._calls = {name: method.callable(self._channel) for name, method in METHODS.items()}

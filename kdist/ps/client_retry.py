@@ -13,7 +13,7 @@ from kdist.errors import ParameterServerError, ParameterServerUnavailableError
 from kdist.ps.methods import METHODS
 from kdist.ps.status import client_error
 from kdist.ps.stream_guard import SLOT_REFUSED_KEY
-from kdist.ps.watchdog import GRACE_SECONDS, CallCancelled, watched_call
+from kdist.rpc.watchdog import GRACE_SECONDS, CallCancelled, watched_call
 
 # gRPC's own retry policy is off: with it on, a pull stream in flight when its
 # server was `kill -9`ed could block far past its deadline. The client retries

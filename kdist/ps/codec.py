@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.options import FRAMING_BYTES
 from kdist.ps.status import ResourceExhaustedError
@@ -29,7 +29,7 @@ _HEADER_TAG = 0x0A  # field 1, length-delimited
 _PAYLOAD_TAG = 0x12  # field 2, length-delimited
 _MAX_DIMENSIONS = 32
 
-# The dtypes that travel, by canonical name (`kdist.ps.dtypes`); bfloat16 when
+# The dtypes that travel, by canonical name (`kdist.rpc.dtypes`); bfloat16 when
 # ml_dtypes is installed (it is a Keras dependency). For each of them the NumPy
 # dtype's `.name` is the canonical name, so headers carry `array.dtype.name`.
 SUPPORTED_DTYPES = {

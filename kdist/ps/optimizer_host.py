@@ -24,7 +24,7 @@ import json
 import keras
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 from kdist.validation import is_integer
 from kdist.ps.row_updates import CONFIG_KEY, RowUpdates, check_sparse_updates, sparse_refusal
 

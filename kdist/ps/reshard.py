@@ -40,7 +40,8 @@ from pathlib import Path
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, dtypes, reshard_source
+from kdist.ps import checkpoint, reshard_source
+from kdist.rpc import dtypes
 from kdist.ps.optimizer_host import canonical_config, config_differences
 from kdist.ps.reshard_source import (  # noqa: F401  (CheckpointLayoutError: part of this module's API)
     CHECKPOINT_NAME,

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, codec, dtypes
+from kdist.ps import checkpoint, codec
+from kdist.rpc import dtypes
 
 LAYOUT_KEY = "layout"  # in a checkpoint's extra: {"ps_index": i, "num_ps": K}
 CHECKPOINT_NAME = "checkpoint"  # as kdist.ps.autosaver

@@ -28,7 +28,7 @@ import torch
 
 from kdist import faults
 from kdist.errors import InvalidArgumentError
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 
 SPARSE_UPDATES = ("exact", "lazy")
 # Top-level key of the optimizer config the router sends (next to "class_name");

@@ -8,7 +8,7 @@ from kdist.cluster.address import bind_endpoint, format_address
 from kdist.errors import InvalidArgumentError
 from kdist.ps.autosaver import Autosaver
 from kdist.ps.options import ServiceOptions
-from kdist.ps.security import Security
+from kdist.rpc.security import Security
 from kdist.ps.servicer import VariableServicer
 from kdist.ps.store import VariableStore
 

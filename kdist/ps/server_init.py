@@ -22,7 +22,7 @@ import keras
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 
 # Initializers whose value at a position does not depend on the whole shape.
 _SHAPE_FREE = frozenset({"Zeros", "Ones", "Constant"})

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
 from kdist.ps.row_updates import check_row_ids
 from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list

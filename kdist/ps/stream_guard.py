@@ -10,7 +10,7 @@ holds its thread forever. Two rules keep the server answering everyone,
   `ServiceOptions.stream_limit` slots exist, fewer than the server's threads,
   so unary calls always find a thread; one client holds at most
   `ServiceOptions.peer_stream_limit` of them. A client is its authenticated
-  session (`kdist.ps.auth`: each `VariableClient` says hello once, so the
+  session (`kdist.rpc.auth`: each `VariableClient` says hello once, so the
   channels of one process, which gRPC multiplexes over one connection, are
   counted apart); a call without a session (a server without the cluster
   secret) is counted by its connection (`context.peer()`). A call that finds
@@ -34,7 +34,7 @@ import threading
 import time
 
 from kdist.errors import KdistError
-from kdist.ps.auth import SESSION_KEY
+from kdist.rpc.auth import SESSION_KEY
 from kdist.ps.status import ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class StreamGuard:
 def client_key(context):
     """What the per-client bound counts a call against: its session, else its connection.
 
-    The server's authenticator (`kdist.ps.auth.ServerAuthenticator`) has
+    The server's authenticator (`kdist.rpc.auth.ServerAuthenticator`) has
     checked a call's session and proof before any handler runs, so a session
     here is one that a holder of the cluster secret opened: one
     `VariableClient`; a call without one is counted by its connection.

@@ -4,7 +4,7 @@ import threading
 
 import keras
 
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 
 
 def make_variable(name, array, trainable):

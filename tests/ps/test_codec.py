@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec, dtypes
+from kdist.ps import codec
+from kdist.rpc import dtypes
 from kdist.ps._generated import variable_service_pb2 as pb
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from kdist.ps import ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.security import Security
+from kdist.rpc.security import Security
 from kdist.ps.options import FRAMING_BYTES
 from tests.ps.fuzz_requests import (
     CHUNK_BYTES,

@@ -25,7 +25,7 @@ from kdist.ps import (
 )
 from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps._generated import variable_service_pb2_grpc as pb_grpc
-from kdist.ps.security import Security
+from kdist.rpc.security import Security
 from kdist.ps.status import MAX_DETAIL_BYTES
 from kdist.ps.stream_guard import StreamGuard
 from tests import harness

@@ -11,7 +11,7 @@ from kdist.cluster import SimpleClusterResolver
 from kdist.errors import InvalidArgumentError
 from kdist.ps import RowGradient, Security, VariableInit, codec, create_server
 from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.dtypes import to_numpy as from_torch
+from kdist.rpc.dtypes import to_numpy as from_torch
 from kdist.ps.methods import METHODS
 from kdist.ps.row_updates import check_sparse_updates
 from kdist.ps.store import GradientSpec, VariableStore

@@ -24,7 +24,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from kdist.ps import VariableInit, dtypes
+from kdist.ps import VariableInit
+from kdist.rpc import dtypes
 from kdist.ps.values import ServerInitializer, ShardOrigin
 
 

@@ -51,7 +51,8 @@ import numpy as np
 from kdist.distribute.parameter_server import optimizer_states
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
-from kdist.ps import Assignment, DenseGradient, RowGradient, dtypes
+from kdist.ps import Assignment, DenseGradient, RowGradient
+from kdist.rpc import dtypes
 from kdist.ps.row_updates import CONFIG_KEY as SPARSE_UPDATES_KEY
 from kdist.ps.values import check_update_id
 

@@ -36,7 +36,7 @@ import torch
 
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 from kdist.ps.server_init import initializer_config
 
 _local = threading.local()  # .slot_reference: the variable whose optimizer slot is being created

@@ -1,4 +1,4 @@
-"""Tests for `kdist.ps.security`: validation, the secret's check and TLS.
+"""Tests for `kdist.rpc.security`: validation, the secret's check and TLS.
 
 The interceptor and TLS are first tested against a tiny generic gRPC service
 (one method of each kind, counting the calls that reach a handler), then
@@ -16,9 +16,9 @@ from kdist.errors import (
     UnauthenticatedError,
 )
 from kdist.ps import Assignment, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.security import Security, load_token
-from tests.ps.certs_fixture import certificates  # noqa: F401 (a fixture)
-from tests.ps.echo_fixture import (  # noqa: F401 (serve is a fixture)
+from kdist.rpc.security import Security, load_token
+from tests.rpc.certs_fixture import certificates  # noqa: F401 (a fixture)
+from tests.rpc.echo_fixture import (  # noqa: F401 (serve is a fixture)
     CALL_TIMEOUT,
     METHODS,
     SERVICE,

@@ -1,4 +1,4 @@
-"""The mutual proof of the cluster secret (`kdist.ps.auth`), on a generic gRPC service.
+"""The mutual proof of the cluster secret (`kdist.rpc.auth`), on a generic gRPC service.
 
 Strangers (no proof, forged proofs, replayed proofs) reach no handler; a
 client tells nothing to, and reads nothing from, a peer that cannot prove the
@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from kdist.errors import PeerAuthenticationError
-from kdist.ps import auth
-from kdist.ps.security import Security
-from tests.ps.echo_fixture import (  # noqa: F401 (serve is a fixture)
+from kdist.rpc import auth
+from kdist.rpc.security import Security
+from tests.rpc.echo_fixture import (  # noqa: F401 (serve is a fixture)
     CALL_TIMEOUT,
     METHODS,
     SERVICE,

@@ -7,7 +7,7 @@ unrelated "rogue" CA with its own server certificate, all as PEM files.
 Tests use the `certificates` fixture (import it into the test module):
 
 ```python
-from tests.ps.certs_fixture import certificates  # noqa: F401 (a fixture)
+from tests.rpc.certs_fixture import certificates  # noqa: F401 (a fixture)
 
 def test_tls(certificates):
     server = Security(certificate_file=certificates.server_cert, ...)

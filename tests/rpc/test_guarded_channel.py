@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kdist.ps.guarded_channel import CLOSED_MESSAGE, GuardedChannel
-from kdist.ps.security import Security
+from kdist.rpc.guarded_channel import CLOSED_MESSAGE, GuardedChannel
+from kdist.rpc.security import Security
 from tests import harness
-from tests.ps.echo_fixture import SERVICE, call, serve  # noqa: F401 (serve is a fixture)
+from tests.rpc.echo_fixture import SERVICE, call, serve  # noqa: F401 (serve is a fixture)
 
 SCRIPT = Path(__file__).with_name("close_race_main.py")
 

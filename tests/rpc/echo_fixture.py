@@ -4,7 +4,7 @@ One method of each kind (unary/streaming requests and responses), counting the
 calls whose handler ran:
 
 ```python
-from tests.ps.echo_fixture import serve  # noqa: F401 (a fixture)
+from tests.rpc.echo_fixture import serve  # noqa: F401 (a fixture)
 
 def test_something(serve):
     server = serve(Security(token="t"))

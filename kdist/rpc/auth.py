@@ -23,7 +23,7 @@ The protocol (HMAC-SHA256 throughout, `K` the secret):
    reads the response: nothing an impostor answers is ever deserialized by
    kdist (its replies may hold pickles).
 
-The client side is `kdist.ps.auth_client`. A server that restarted has a new instance id; its clients' next call is
+The client side is `kdist.rpc.auth_client`. A server that restarted has a new instance id; its clients' next call is
 refused as stale, and they say hello again (unary calls transparently; a
 streaming request fails as `UNAVAILABLE` once, which kdist's callers retry).
 

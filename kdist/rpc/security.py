@@ -5,7 +5,7 @@ Two protections:
 - **The cluster secret (on by default).** Servers and clients prove to each
   other that they hold the same secret before either trusts the other, with an
   HMAC challenge-response over fresh nonces in both directions
-  (`kdist.ps.auth`); the secret never crosses the wire. A server refuses every
+  (`kdist.rpc.auth`); the secret never crosses the wire. A server refuses every
   call without a valid proof with `UNAUTHENTICATED`, before anything in the
   request is read; a client refuses a server that cannot prove the secret,
   before it sends it anything or reads its replies. The secret comes from, in
@@ -34,7 +34,7 @@ import os
 
 from kdist.cluster.address import is_loopback
 from kdist.errors import InvalidArgumentError
-from kdist.ps.secret import (  # noqa: F401  (load_token: public here too)
+from kdist.rpc.secret import (  # noqa: F401  (load_token: public here too)
     MAX_FILE_BYTES,
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -248,7 +248,7 @@ class Security:
 
     def server_interceptors(self):
         """Returns the interceptors a server installs: the secret's check unless insecure."""
-        from kdist.ps.auth import ServerAuthenticator
+        from kdist.rpc.auth import ServerAuthenticator
 
         secret = self.secret()
         return [] if secret is None else [ServerAuthenticator(secret, _UNAUTHENTICATED_DETAIL)]
@@ -271,7 +271,7 @@ class Security:
 
         options = [*_CHANNEL_DEFAULTS, *options, *self.channel_options()]
         credentials = self.channel_credentials()
-        from kdist.ps.guarded_channel import GuardedChannel
+        from kdist.rpc.guarded_channel import GuardedChannel
 
         # Guarded: closing it while another thread starts a call must not crash grpc.
         channel = GuardedChannel(grpc.insecure_channel(address, options=options) if credentials is None
@@ -279,7 +279,7 @@ class Security:
         secret = self.secret()
         if secret is None:
             return channel
-        from kdist.ps.auth_client import ClientAuthenticator
+        from kdist.rpc.auth_client import ClientAuthenticator
 
         authenticator = ClientAuthenticator(channel, secret, address, tls=credentials is not None)
         return grpc.intercept_channel(channel, authenticator)

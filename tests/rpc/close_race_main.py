@@ -11,8 +11,8 @@ import threading
 
 import grpc
 
-from kdist.ps.security import Security
-from tests.ps.echo_fixture import SERVICE, EchoServer
+from kdist.rpc.security import Security
+from tests.rpc.echo_fixture import SERVICE, EchoServer
 
 THREADS = 8
 METHODS_PER_THREAD = 50

@@ -1,4 +1,4 @@
-"""Where the cluster secret comes from (`kdist.ps.secret`): a cluster inside one process
+"""Where the cluster secret comes from (`kdist.rpc.secret`): a cluster inside one process
 needs no configuration and no other process can call it; `KDIST_SECRET` and
 `KDIST_SECRET_FILE` give a cluster of processes one secret."""
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import VariableClient, VariableInit, create_server, secret
-from kdist.ps.security import Security
+from kdist.ps import VariableClient, VariableInit, create_server
+from kdist.rpc import secret
+from kdist.rpc.security import Security
 from tests import harness
 
 VALUE = np.arange(4, dtype="float32")

@@ -1,4 +1,4 @@
-"""The client side of `kdist.ps.auth`: say hello, check the server's proofs, prove each call."""
+"""The client side of `kdist.rpc.auth`: say hello, check the server's proofs, prove each call."""
 
 import collections
 import hmac
@@ -10,7 +10,7 @@ import grpc
 import grpc.experimental
 
 from kdist.errors import PeerAuthenticationError
-from kdist.ps.auth import (
+from kdist.rpc.auth import (
     _CLIENT_NONCE_BYTES,
     _DIGEST_BYTES,
     _NONCE_BYTES,
@@ -24,7 +24,7 @@ from kdist.ps.auth import (
     _mac,
     _metadata_value,
 )
-from kdist.ps.guarded_channel import CLOSED_MESSAGE
+from kdist.rpc.guarded_channel import CLOSED_MESSAGE
 
 # A hello waits at most this long when the call it precedes has no deadline.
 HELLO_TIMEOUT_SECONDS = 30.0
