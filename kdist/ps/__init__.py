@@ -20,7 +20,7 @@ Example:
 
 ```python
 import keras, numpy as np
-from kdist.ps import create_server, VariableClient, VariableInit, DenseGradient
+from kdist.ps import DenseGradient, VariableClient, VariableInit, create_server
 
 server = create_server()  # 127.0.0.1, a free port
 client = VariableClient(server.address)
@@ -41,7 +41,7 @@ import importlib
 
 from kdist.ps.options import ServiceOptions
 from kdist.rpc.security import Security
-from kdist.ps.values import (
+from kdist.ps.wire.values import (
     Assignment,
     DenseGradient,
     OptimizerState,
@@ -74,9 +74,9 @@ __all__ = [
 
 # Public names whose modules import gRPC: loaded on first access (PEP 562).
 _LAZY = {
-    "VariableClient": "kdist.ps.client",
-    "VariableServer": "kdist.ps.server",
-    "create_server": "kdist.ps.server",
+    "VariableClient": "kdist.ps.client.variable_client",
+    "VariableServer": "kdist.ps.server.variable_server",
+    "create_server": "kdist.ps.server.variable_server",
 }
 
 

@@ -1,6 +1,6 @@
 """Regenerates the checked-in gRPC stubs of kdist's two services.
 
-`SERVICES` names them: the variable service (`kdist/ps/protos/variable_service.proto`,
+`SERVICES` names them: the variable service (`kdist/ps/wire/protos/variable_service.proto`,
 the parameter servers) and the worker service
 (`kdist/coordinator/protos/worker_service.proto`, the workers a coordinator
 drives). Run it after editing a `.proto`:
@@ -37,7 +37,7 @@ class Service(NamedTuple):
 
 
 SERVICES = (
-    Service(_KDIST / "ps" / "protos" / "variable_service.proto", _KDIST / "ps" / "_generated"),
+    Service(_KDIST / "ps" / "wire" / "protos" / "variable_service.proto", _KDIST / "ps" / "wire" / "_generated"),
     Service(_KDIST / "coordinator" / "protos" / "worker_service.proto", _KDIST / "coordinator" / "_generated"),
 )
 

@@ -18,8 +18,7 @@ from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
 from kdist.errors import PeerAuthenticationError, WorkerError
 from kdist.ps import Security
-from kdist.rpc import auth
-from kdist.rpc import auth_client
+from kdist.rpc import auth, auth_client
 from tests.coordinator import _cluster, _functions
 
 TOKEN = "s3cret"

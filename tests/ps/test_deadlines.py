@@ -24,8 +24,8 @@ import pytest
 
 from kdist.errors import ParameterServerUnavailableError
 from kdist.ps import Security, ServiceOptions, VariableClient, VariableInit
+from kdist.ps.wire.methods import SERVICE_NAME
 from kdist.rpc import watchdog as watchdog_module
-from kdist.ps.methods import SERVICE_NAME
 from kdist.rpc.watchdog import GRACE_SECONDS, Watchdog
 from tests import harness
 

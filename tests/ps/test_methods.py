@@ -2,12 +2,12 @@
 
 import re
 
-from kdist.ps.methods import METHODS, SERVICE_NAME
+from kdist.ps.wire.methods import METHODS, SERVICE_NAME
 from kdist.rpc import regenerate
 
 
 def test_method_table_matches_the_generated_stub():
-    from kdist.ps._generated import variable_service_pb2_grpc as stubs
+    from kdist.ps.wire._generated import variable_service_pb2_grpc as stubs
 
     service = regenerate.SERVICES[0]
     assert service.proto.name == "variable_service.proto"

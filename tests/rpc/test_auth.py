@@ -4,7 +4,7 @@ Strangers (no proof, forged proofs, replayed proofs) reach no handler; a
 client tells nothing to, and reads nothing from, a peer that cannot prove the
 secret (an impostor that took a dead server's port); a restarted server makes
 its clients say hello again. The variable service and the workers use the
-same code: tests/ps/test_security.py and tests/coordinator/test_security.py.
+same code: tests/rpc/test_security.py and tests/coordinator/test_security.py.
 """
 
 import os

@@ -10,7 +10,7 @@ import torch
 import kdist  # noqa: F401
 from kdist.coordinator import payload
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
+from kdist.ps.wire import codec
 from kdist.rpc import dtypes
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

@@ -148,7 +148,7 @@ def test_load_token_errors_do_not_echo_the_secret(tmp_path):
     assert "two words" not in str(caught.value)
 
 
-# -- The secret's check on a generic service (the protocol itself: tests/ps/test_auth.py) --
+# -- The secret's check on a generic service (the protocol itself: tests/rpc/test_auth.py) --
 
 
 @pytest.mark.parametrize("method", METHODS)

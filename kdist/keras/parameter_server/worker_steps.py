@@ -37,7 +37,7 @@ from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.parameter_server import optimizer_restore, remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.keras.replica import gradient_merge
-from kdist.ps.optimizer_host import slot_name
+from kdist.ps.server.optimizer_host import slot_name
 
 _local = threading.local()
 

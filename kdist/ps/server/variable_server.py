@@ -6,11 +6,11 @@ import grpc
 
 from kdist.cluster.address import bind_endpoint, format_address
 from kdist.errors import InvalidArgumentError
-from kdist.ps.autosaver import Autosaver
 from kdist.ps.options import ServiceOptions
+from kdist.ps.server.autosaver import Autosaver
+from kdist.ps.server.servicer import VariableServicer
+from kdist.ps.server.store import VariableStore
 from kdist.rpc.security import Security
-from kdist.ps.servicer import VariableServicer
-from kdist.ps.store import VariableStore
 
 # How long `stop()` lets calls in flight finish when no grace is given.
 DEFAULT_STOP_GRACE_SECONDS = 5.0
@@ -24,14 +24,14 @@ class VariableServer:
     Attributes:
         port: the bound port (the real one when created with port 0).
         address: `"host:port"` with the bound port.
-        store: the `kdist.ps.store.VariableStore` it serves.
+        store: the `kdist.ps.server.store.VariableStore` it serves.
     """
 
     def __init__(self, server, servicer, host, port):
         self._server = server
         self._servicer = servicer
         self.store = servicer.store
-        # The `kdist.ps.autosaver.Autosaver` (its `restored`: the line it
+        # The `kdist.ps.server.autosaver.Autosaver` (its `restored`: the line it
         # logged at start, or None), or None without automatic checkpoints.
         self.autosaver = servicer.autosaver
         self.port = port
@@ -87,12 +87,12 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None, name=No
             With checkpoints, they record it, and a server whose directory
             `ROOT/ps-<ps_index>` (or its siblings `ROOT/ps-<j>`) holds the
             checkpoints of another number of servers re-splits them by this
-            job's partitioning (`kdist.ps.reshard`). `kdist.distribute.Server`
+            job's partitioning (`kdist.ps.server.reshard`). `kdist.distribute.Server`
             passes it from the cluster spec.
 
     With `options.checkpoint_dir` and `checkpoint_every`, the server restores
     the checkpoint it finds in its directory before it serves, then
-    checkpoints itself there (`kdist.ps.autosaver`).
+    checkpoints itself there (`kdist.ps.server.autosaver`).
 
     Returns:
         The started `VariableServer`.
@@ -102,7 +102,7 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None, name=No
             be bound (in use, not local), wrong option types, or a damaged
             checkpoint in `options.checkpoint_dir`, a bad `layout`, or old
             checkpoints that cannot be re-split
-            (`kdist.ps.reshard.CheckpointLayoutError`).
+            (`kdist.ps.server.reshard.CheckpointLayoutError`).
 
     Example:
 

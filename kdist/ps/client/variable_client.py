@@ -7,9 +7,10 @@ import grpc.experimental
 import numpy as np
 
 from kdist.cluster.address import parse_address
-from kdist.ps import client_retry, codec
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.client_payload import (
+from kdist.ps.client import retry as client_retry
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.client.payload import (
     assignment_payload,
     encode_gradient,
     ids_array,
@@ -17,11 +18,11 @@ from kdist.ps.client_payload import (
     read_optimizer_state,
     variables_layout,
 )
-from kdist.ps.methods import METHODS
-from kdist.ps.optimizer_host import canonical_config
 from kdist.ps.options import ServiceOptions
+from kdist.ps.server.optimizer_host import canonical_config
+from kdist.ps.wire.methods import METHODS
 from kdist.rpc.security import Security
-from kdist.ps.values import (
+from kdist.ps.wire.values import (
     PushResult,
     ServerStats,
     StalenessStats,
@@ -195,7 +196,7 @@ class VariableClient:
             update_id: an idempotency key of at most 256 characters, or None
                 (or ""): a fresh one of this process. The server applies a push whose `update_id` it
                 has already applied (among its most recent
-                `kdist.ps.store.MAX_REMEMBERED_UPDATES`) only once: a repeat
+                `kdist.ps.server.store.MAX_REMEMBERED_UPDATES`) only once: a repeat
                 changes nothing and returns the first push's `PushResult`. So a
                 push whose outcome is unknown (its worker died, the connection
                 dropped) can be sent again safely. A push the server refused

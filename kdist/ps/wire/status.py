@@ -58,6 +58,11 @@ MAX_DETAIL_BYTES = 2048
 MAX_LISTED_NAMES = 10
 _MAX_LISTED_NAME_CHARS = 80
 
+# Trailing metadata of a refusal for want of a slot; its value names the bound
+# ("client" or "server"). The client retries exactly these refusals: the
+# request was never read, so even a push without an update id is safe to resend.
+SLOT_REFUSED_KEY = "kdist-slot-refused"
+
 # Codes after which the same call may succeed: the server is (re)starting,
 # overloaded, or the network dropped.
 _UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

@@ -114,7 +114,7 @@ class RowUpdates:
     """Applies row gradients through one `VariableOptimizer`. Not thread-safe (variable lock).
 
     Args:
-        host: the `kdist.ps.optimizer_host.VariableOptimizer`.
+        host: the `kdist.ps.server.optimizer_host.VariableOptimizer`.
         sparse: apply to the touched rows only (see `sparse_refusal`).
         builtin: the optimizer is Keras' own, known not to change its
             gradient in place, so a dense gradient buffer may be reused.

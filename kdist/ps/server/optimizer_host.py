@@ -16,7 +16,7 @@ checkpoint) finds its local twin even when one variable has two slots of the
 same short name.
 
 Row gradients go through `apply_rows`: to the touched rows only where that is
-exact or opted into (`kdist.ps.row_updates`), else as Keras' dense update.
+exact or opted into (`kdist.ps.server.row_updates`), else as Keras' dense update.
 """
 
 import json
@@ -24,9 +24,9 @@ import json
 import keras
 
 from kdist.errors import InvalidArgumentError
+from kdist.ps.server.row_updates import CONFIG_KEY, RowUpdates, check_sparse_updates, sparse_refusal
 from kdist.rpc import dtypes
 from kdist.validation import is_integer
-from kdist.ps.row_updates import CONFIG_KEY, RowUpdates, check_sparse_updates, sparse_refusal
 
 
 def canonical_config(config):

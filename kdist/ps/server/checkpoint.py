@@ -29,15 +29,15 @@ import numpy as np
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
+from kdist.ps.server.optimizer_host import VariableOptimizer
+from kdist.ps.server.variable_entry import VariableEntry, make_variable
+from kdist.ps.wire import codec
+from kdist.ps.wire.status import NotFoundError, ResourceExhaustedError
 from kdist.rpc import dtypes
-from kdist.ps.optimizer_host import VariableOptimizer
-from kdist.ps.status import NotFoundError, ResourceExhaustedError
-from kdist.ps.variable_entry import VariableEntry, make_variable
 from kdist.validation import is_integer
 
 MANIFEST_NAME = "manifest.json"
-FORMAT = "kdist.ps.checkpoint/1"
+FORMAT = "kdist.ps.server.checkpoint/1"
 # A write refused for lack of room (disk, quota, file size limit): RESOURCE_EXHAUSTED.
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -48,12 +48,12 @@ def save(store, directory, extra=None):
     Each variable is copied under its own lock (a consistent value, version
     and optimizer state per variable; not one instant across variables).
     `extra`, a JSON-serialisable dict, is kept in the manifest (`read_extra`):
-    `kdist.ps.autosaver` keeps its push count and update ids there.
+    `kdist.ps.server.autosaver` keeps its push count and update ids there.
 
     Raises:
         kdist.errors.InvalidArgumentError: an empty directory name, or one that
             cannot be written.
-        kdist.ps.status.ResourceExhaustedError: no room left to write it (a
+        kdist.ps.wire.status.ResourceExhaustedError: no room left to write it (a
             full disk or quota, a file size limit). The previous checkpoint at
             `directory`, if any, is unchanged.
     """

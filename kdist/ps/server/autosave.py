@@ -11,7 +11,7 @@ checkpointing unset:
 `parse_every` turns the text into a `CheckpointEvery`; `with_environment`
 fills a `ServiceOptions` from those variables. The running side (saving,
 restoring at start, counting the pushes a checkpoint misses) is
-`kdist.ps.autosaver.Autosaver`.
+`kdist.ps.server.autosaver.Autosaver`.
 """
 
 import dataclasses

@@ -3,7 +3,7 @@
 import collections
 import threading
 
-from kdist.ps.status import FailedPreconditionError
+from kdist.ps.wire.status import FailedPreconditionError
 
 # A server remembers the update ids of this many applied pushes, forgetting the
 # oldest first. A re-run closure re-pushes within seconds or minutes of the

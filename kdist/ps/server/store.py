@@ -26,13 +26,13 @@ import threading
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
+from kdist.ps.server.optimizer_host import VariableOptimizer, canonical_config, config_differences
+from kdist.ps.server.row_updates import check_row_ids
+from kdist.ps.server.update_ids import AppliedUpdateIds, MAX_REMEMBERED_UPDATES
+from kdist.ps.server.variable_entry import VariableEntry, locked, make_variable
+from kdist.ps.wire.status import FailedPreconditionError, NotFoundError, name_list
+from kdist.ps.wire.values import ServerStats, StalenessStats, VariableStats
 from kdist.rpc import dtypes
-from kdist.ps.optimizer_host import VariableOptimizer, canonical_config, config_differences
-from kdist.ps.row_updates import check_row_ids
-from kdist.ps.status import FailedPreconditionError, NotFoundError, name_list
-from kdist.ps.update_ids import MAX_REMEMBERED_UPDATES, AppliedUpdateIds
-from kdist.ps.values import ServerStats, StalenessStats, VariableStats
-from kdist.ps.variable_entry import VariableEntry, locked, make_variable
 
 __all__ = ["MAX_REMEMBERED_UPDATES", "AppliedUpdateIds", "GradientSpec", "UpdatePlan",
            "VariableStore"]
@@ -341,7 +341,7 @@ class VariableStore:
 
         `sparse_applies` counts row gradients applied to their touched rows
         only, `dense_applies` gradients applied as Keras' dense update (see
-        `kdist.ps.row_updates`), `rows_updated` the distinct rows of the row
+        `kdist.ps.server.row_updates`), `rows_updated` the distinct rows of the row
         gradients applied.
         """
         counts = {}

@@ -3,9 +3,9 @@
 Server and client register methods from this table instead of the generated
 `add_VariableServiceServicer_to_server` / `VariableServiceStub`, for one
 reason: messages with a tensor payload (fields `header` and `payload`) are
-framed by `kdist.ps.codec` (one memcpy per chunk) rather than built as
+framed by `kdist.ps.wire.codec` (one memcpy per chunk) rather than built as
 protobuf objects (~1 GB/s). The method names, paths and wire format are the
-generated ones; `tests/ps/test_regenerate.py` checks the table against the
+generated ones; `tests/ps/test_methods.py` checks the table against the
 generated stub.
 """
 
@@ -14,8 +14,8 @@ import re
 
 import grpc
 
-from kdist.ps import codec
-from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["VariableService"]
 SERVICE_NAME = _SERVICE.full_name

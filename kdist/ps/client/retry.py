@@ -10,10 +10,9 @@ from collections.abc import Iterator
 import grpc
 
 from kdist.errors import ParameterServerError, ParameterServerUnavailableError
-from kdist.ps.methods import METHODS
-from kdist.ps.status import client_error
-from kdist.ps.stream_guard import SLOT_REFUSED_KEY
-from kdist.rpc.watchdog import GRACE_SECONDS, CallCancelled, watched_call
+from kdist.ps.wire.methods import METHODS
+from kdist.ps.wire.status import SLOT_REFUSED_KEY, client_error
+from kdist.rpc.watchdog import CallCancelled, GRACE_SECONDS, watched_call
 
 # gRPC's own retry policy is off: with it on, a pull stream in flight when its
 # server was `kill -9`ed could block far past its deadline. The client retries
@@ -26,7 +25,7 @@ MAX_ATTEMPTS = 5
 RETRY_BACKOFF_SECONDS = (0.1, 1.0)  # (initial, max); doubles at each retry
 # A server that had no stream slot free refuses a call before reading any of
 # it (`RESOURCE_EXHAUSTED` with the trailing metadata `SLOT_REFUSED_KEY`,
-# `kdist.ps.stream_guard`): the job's own concurrency (many workers, or many
+# `kdist.ps.server.stream_guard`): the job's own concurrency (many workers, or many
 # threads of one) outgrew the server's slots for a moment. Such a call is sent
 # again, any call (a push without an update id too: nothing of it was applied),
 # as often as its deadline allows, after a jittered backoff drawn from

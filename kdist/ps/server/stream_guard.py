@@ -19,7 +19,7 @@ holds its thread forever. Two rules keep the server answering everyone,
   waiting call would hold one of the threads kept for unary calls. Nothing of
   a refused call's request has been read, so kdist's client sends it again
   after a jittered backoff, within the call's deadline
-  (`kdist.ps.client_retry`); a memory or disk shortage, also
+  (`kdist.ps.client.retry`); a memory or disk shortage, also
   `RESOURCE_EXHAUSTED`, carries no such metadata and is not retried.
 - **Idle timeout.** While a call waits for its client — for the next request
   message, or for the client to take a response message — it is *waiting*.
@@ -34,15 +34,11 @@ import threading
 import time
 
 from kdist.errors import KdistError
+from kdist.ps.wire.status import ResourceExhaustedError, SLOT_REFUSED_KEY
 from kdist.rpc.auth import SESSION_KEY
-from kdist.ps.status import ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
 
-# Trailing metadata of a refusal for want of a slot; its value names the bound
-# ("client" or "server"). The client retries exactly these refusals: the
-# request was never read, so even a push without an update id is safe to resend.
-SLOT_REFUSED_KEY = "kdist-slot-refused"
 # The guard's thread ends this long after the last call did (or sooner, with a shorter idle timeout).
 _LINGER_SECONDS = 5.0
 

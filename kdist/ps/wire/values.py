@@ -22,7 +22,7 @@ def check_name(name, what="name"):
 
 
 # Update ids are short names ("closure-17/3"); the bound keeps a server's
-# memory of applied ids (kdist.ps.store.MAX_REMEMBERED_UPDATES of them) small.
+# memory of applied ids (kdist.ps.server.store.MAX_REMEMBERED_UPDATES of them) small.
 MAX_UPDATE_ID_LENGTH = 256
 
 
@@ -75,14 +75,14 @@ class VariableInit:
 
 @dataclasses.dataclass(frozen=True)
 class ServerInitializer:
-    """A value the server computes itself (`kdist.ps.server_init`): the variable's creator sends no value.
+    """A value the server computes itself (`kdist.ps.server.server_init`): the variable's creator sends no value.
 
     The `VariableInit`'s `value` then only gives the shard's shape and dtype
     (any array of them, e.g. `np.broadcast_to(np.zeros((), "float32"), shape)`),
     and the server never sends the value back.
 
     Attributes:
-        config_json: `kdist.ps.server_init.initializer_config(initializer)`.
+        config_json: `kdist.ps.server.server_init.initializer_config(initializer)`.
         full_shape: the whole variable's shape.
         row_start: the shard's first row in the whole variable.
     """
@@ -97,7 +97,7 @@ class ShardOrigin:
     """Where a created shard lies in its whole variable.
 
     A server that restores the checkpoints of another number of servers
-    (`kdist.ps.reshard`) fills the shard from these rows of the old variable.
+    (`kdist.ps.server.reshard`) fills the shard from these rows of the old variable.
 
     Attributes:
         full_shape: the whole variable's shape.
@@ -232,7 +232,7 @@ class VariableStats:
 
     `sparse_applies` counts row gradients applied to their touched rows only,
     `dense_applies` gradients applied as Keras' dense update (see
-    `kdist.ps.row_updates`), `rows_updated` the distinct rows of the row
+    `kdist.ps.server.row_updates`), `rows_updated` the distinct rows of the row
     gradients applied.
     """
 

@@ -1,6 +1,6 @@
 """Restoring the checkpoints of another number of parameter servers, re-split by this job's partitioning.
 
-A server that checkpoints itself (`kdist.ps.autosaver`) and knows its place
+A server that checkpoints itself (`kdist.ps.server.autosaver`) and knows its place
 in the job (`layout`: its index and the number of servers, given by
 `kdist.distribute.Server` from the cluster spec) records that layout in every
 checkpoint. Its own directory is `ROOT/ps-<index>` (`kdist launch
@@ -40,18 +40,18 @@ from pathlib import Path
 
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, reshard_source
+from kdist.ps.server import checkpoint, reshard_source
+from kdist.ps.server.optimizer_host import canonical_config, config_differences
 from kdist.rpc import dtypes
-from kdist.ps.optimizer_host import canonical_config, config_differences
-from kdist.ps.reshard_source import (  # noqa: F401  (CheckpointLayoutError: part of this module's API)
+from kdist.ps.server.reshard_source import (  # noqa: F401  (CheckpointLayoutError: part of this module's API)
     CHECKPOINT_NAME,
     LAYOUT_KEY,
     PREVIOUS_NAME,
     SIBLING_PREFIX,
     CheckpointLayoutError,
 )
-from kdist.ps.status import FailedPreconditionError
-from kdist.ps.variable_entry import locked
+from kdist.ps.server.variable_entry import locked
+from kdist.ps.wire.status import FailedPreconditionError
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Resharder:
     """The request hooks of a server whose variables come from an old job's `Source`. Thread-safe.
 
     Args:
-        store: the server's `kdist.ps.store.VariableStore`.
+        store: the server's `kdist.ps.server.store.VariableStore`.
         source: the old job's `Source`.
         layout: this server's `(ps_index, num_ps)`.
         name: how log lines name the server.

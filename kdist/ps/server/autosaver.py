@@ -3,7 +3,7 @@
 A server with `ServiceOptions(checkpoint_dir=D, checkpoint_every=E)` keeps, in
 its own directory `D`:
 
-- `checkpoint/`: its last checkpoint (`kdist.ps.checkpoint`, written
+- `checkpoint/`: its last checkpoint (`kdist.ps.server.checkpoint`, written
   atomically), which also holds the number of pushes applied before it and
   the update ids of the most recent of them (so that a push retried after a
   restore, with its update id, is applied once in all);
@@ -38,8 +38,8 @@ import struct
 import threading
 from pathlib import Path
 
-from kdist.ps import checkpoint, reshard
-from kdist.ps.update_ids import AppliedUpdateIds
+from kdist.ps.server import checkpoint, reshard
+from kdist.ps.server.update_ids import AppliedUpdateIds
 
 logger = logging.getLogger(__name__)
 
@@ -149,14 +149,14 @@ class Autosaver:
     """Checkpoints one server's store as its `CheckpointEvery` says; restores it at start.
 
     Args:
-        store: the server's `kdist.ps.store.VariableStore` (its update-id
+        store: the server's `kdist.ps.server.store.VariableStore` (its update-id
             memory is replaced by a `RememberedUpdateIds`).
         directory: this server's own directory.
-        every: a `kdist.ps.autosave.CheckpointEvery`.
+        every: a `kdist.ps.server.autosave.CheckpointEvery`.
         name: how the log line names the server (e.g. `"ps-1"`).
         layout: `(ps_index, num_ps)` of this server in its job, or None.
             With it, every checkpoint records the layout, and a checkpoint of
-            another number of servers is re-split at start (`kdist.ps.reshard`).
+            another number of servers is re-split at start (`kdist.ps.server.reshard`).
     """
 
     def __init__(self, store, directory, every, name="parameter server", layout=None):
@@ -176,7 +176,7 @@ class Autosaver:
         self.num_saves = 0
         self.restored = None  # the line `restore_at_start` logged
         self.layout = reshard.check_layout(layout)
-        # A `kdist.ps.reshard.Resharder` while variables come from the
+        # A `kdist.ps.server.reshard.Resharder` while variables come from the
         # checkpoints of another number of servers, else None.
         self.reshard = None
 
@@ -189,7 +189,7 @@ class Autosaver:
             kdist.errors.InvalidArgumentError: a damaged checkpoint (the server
                 does not start: serving without its variables would be silently
                 different), or a directory that cannot be written.
-            kdist.ps.reshard.CheckpointLayoutError: a checkpoint of another
+            kdist.ps.server.reshard.CheckpointLayoutError: a checkpoint of another
                 number of servers that cannot be re-split.
         """
         self.directory.mkdir(parents=True, exist_ok=True)

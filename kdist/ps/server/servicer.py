@@ -1,10 +1,10 @@
 """The gRPC servicer: decodes requests, calls the store, encodes responses.
 
 Every method runs inside `_serve`, the one place where domain errors become
-status codes (`kdist.ps.status.status_code`), where error details are capped
+status codes (`kdist.ps.wire.status.status_code`), where error details are capped
 (`cap_detail`: a detail never echoes a whole request), where requests are
 counted, and where streaming calls are admitted to a bounded slot and watched
-for an idle client (`kdist.ps.stream_guard`). A call its client cancelled
+for an idle client (`kdist.ps.server.stream_guard`). A call its client cancelled
 (or the guard cancelled) logs one line, not a traceback.
 A request is validated in full — header first, before its payload is stored,
 then its content — before anything changes; a failed request changes nothing
@@ -22,16 +22,17 @@ import grpc
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, codec, server_init
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.methods import METHODS, SERVICE_NAME
 from kdist.ps.options import ServiceOptions
-from kdist.ps.row_updates import check_row_ids
-from kdist.ps.status import FailedPreconditionError, cap_detail, name_list, status_code
-from kdist.ps.store import GradientSpec
-from kdist.ps.stream_guard import StreamGuard
-from kdist.ps.values import check_name, check_update_id
-from kdist.ps.variable_entry import locked
+from kdist.ps.server import checkpoint, server_init
+from kdist.ps.server.row_updates import check_row_ids
+from kdist.ps.server.store import GradientSpec
+from kdist.ps.server.stream_guard import StreamGuard
+from kdist.ps.server.variable_entry import locked
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire.methods import METHODS, SERVICE_NAME
+from kdist.ps.wire.status import FailedPreconditionError, cap_detail, name_list, status_code
+from kdist.ps.wire.values import check_name, check_update_id
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,11 @@ class VariableServicer:
     """Serves one `VariableStore`. Thread-safe (the store is).
 
     Args:
-        store: the `kdist.ps.store.VariableStore`.
+        store: the `kdist.ps.server.store.VariableStore`.
         chunk_bytes: payload bytes per response message.
         options: the server's `ServiceOptions`, for the stream bounds and the
             idle timeout (`StreamGuard.from_options`). None: the defaults.
-        autosaver: a `kdist.ps.autosaver.Autosaver` that checkpoints the store
+        autosaver: a `kdist.ps.server.autosaver.Autosaver` that checkpoints the store
             around the requests that change it, or None.
     """
 
@@ -121,7 +122,7 @@ class VariableServicer:
         arrays = iter(arrays)
         values = [self._initial_value(item, existing) if item.HasField("initializer") else next(arrays)
                   for item in header.items]
-        # Variables of an old job's checkpoints take their old rows and version (kdist.ps.reshard).
+        # Variables of an old job's checkpoints take their old rows and version (kdist.ps.server.reshard).
         resharder = self.autosaver and self.autosaver.reshard
         values, resharded = resharder.fill(header.items, values) if resharder else (values, {})
         with self._changing():

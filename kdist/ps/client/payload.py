@@ -8,9 +8,9 @@ entry and the arrays the codec then frames.
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.values import Assignment, DenseGradient, OptimizerState, RowGradient, check_name
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire.values import Assignment, DenseGradient, OptimizerState, RowGradient, check_name
 
 
 def variables_layout(header):

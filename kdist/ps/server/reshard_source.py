@@ -1,4 +1,4 @@
-"""The old job's side of `kdist.ps.reshard`: its checkpoints read as logical variables, memory-mapped.
+"""The old job's side of `kdist.ps.server.reshard`: its checkpoints read as logical variables, memory-mapped.
 
 `Source` reads the manifests of every server of an old job (`ROOT/ps-<j>`,
 their `checkpoint`, else the `previous-layout` a new server kept) and joins the
@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import checkpoint, codec
+from kdist.ps.server import checkpoint
+from kdist.ps.wire import codec
 from kdist.rpc import dtypes
 
 LAYOUT_KEY = "layout"  # in a checkpoint's extra: {"ps_index": i, "num_ps": K}
-CHECKPOINT_NAME = "checkpoint"  # as kdist.ps.autosaver
+CHECKPOINT_NAME = "checkpoint"  # as kdist.ps.server.autosaver
 PREVIOUS_NAME = "previous-layout"
 SIBLING_PREFIX = "ps-"
 _PART = re.compile(r"^(?P<key>.+)/part_(?P<part>\d+)$")

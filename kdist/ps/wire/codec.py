@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.rpc import dtypes
-from kdist.ps._generated import variable_service_pb2 as pb
 from kdist.ps.options import FRAMING_BYTES
-from kdist.ps.status import ResourceExhaustedError
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire.status import ResourceExhaustedError
+from kdist.rpc import dtypes
 
 _HEADER_TAG = 0x0A  # field 1, length-delimited
 _PAYLOAD_TAG = 0x12  # field 2, length-delimited
