@@ -41,7 +41,7 @@ DOCUMENTED_IMPORTS = [
     "from kdist.keras.replica import loss_denominators",
     "from kdist.launch.ports import free_port",
     "from kdist.nn import compute_average_loss, scale_regularization_loss",
-    "import kdist.ps.regenerate",
+    "import kdist.rpc.regenerate",
     "from kdist.errors import InvalidArgumentError, UnsupportedError",
 ]
 
@@ -54,13 +54,14 @@ LAYERS = {
     "kdist.errors": 0,
     "kdist.types": 1, "kdist.faults": 1, "kdist.validation": 1, "kdist.atomic_files": 1, "kdist._backend": 1,
     "kdist.cluster": 2, "kdist.collectives": 2,
-    "kdist.ps": 3,
-    "kdist.coordinator": 4,
-    "kdist.distribute": 5,
-    "kdist.nn": 6,
-    "kdist.keras": 7,
-    "kdist.backends": 8, "kdist.launch": 8, "kdist.callbacks": 8,
-    "kdist.__main__": 9, "kdist": 9,
+    "kdist.rpc": 3,
+    "kdist.ps": 4,
+    "kdist.coordinator": 5,
+    "kdist.distribute": 6,
+    "kdist.nn": 7,
+    "kdist.keras": 8,
+    "kdist.backends": 9, "kdist.launch": 9, "kdist.callbacks": 9,
+    "kdist.__main__": 10, "kdist": 10,
 }
 MAX_LINES = 400
 
@@ -135,16 +136,19 @@ def test_imports_flow_downward():
 
 
 def test_layer_check_catches_an_upward_import():
-    # Negative control: the real package's sources, plus one module of `kdist.ps` (layer 3)
-    # that imports `kdist.keras` (layer 7) inside a function, and one of `kdist.cluster`
-    # (layer 2) that imports its peer layer `kdist.collectives` at module level.
+    # Negative control: the real package's sources, plus one module of `kdist.ps` (layer 4)
+    # that imports `kdist.keras` (layer 8) inside a function, one of `kdist.cluster`
+    # (layer 2) that imports its peer layer `kdist.collectives` at module level, and one
+    # of the transport `kdist.rpc` (layer 3) that imports the service above it.
     planted = [
         ("kdist.ps.planted", "kdist/ps/planted.py", "import os\n\ndef f():\n    from kdist.keras import hooks\n"),
         ("kdist.cluster.planted", "kdist/cluster/planted.py", "from kdist.collectives import local\n"),
+        ("kdist.rpc.planted", "kdist/rpc/planted.py", "from kdist.ps.options import ServiceOptions\n"),
     ]
     assert upward_imports(_sources() + planted) == [
-        "kdist/ps/planted.py:4 imports kdist.keras (layer 7 from layer 3)",
+        "kdist/ps/planted.py:4 imports kdist.keras (layer 8 from layer 4)",
         "kdist/cluster/planted.py:1 imports kdist.collectives (layer 2 from layer 2)",
+        "kdist/rpc/planted.py:1 imports kdist.ps.options (layer 4 from layer 3)",
     ]
     # Allowed: the lazy loader anywhere, a lower layer, the module's own package.
     allowed = "import kdist\nfrom kdist.errors import KdistError\nfrom kdist.ps import store\n"

@@ -48,7 +48,7 @@ from kdist.errors import (
     ParameterServerUnavailableError,
     PeerAuthenticationError,
 )
-from kdist.ps import client_retry
+from kdist.ps.client import retry as client_retry
 from kdist.validation import require_positive_integer, require_seconds
 
 # The coordinator asks every parameter server for its health this often, each

@@ -27,8 +27,8 @@ from kdist.errors import (
     WorkerError,
     WorkerUnavailableError,
 )
-from kdist.ps.security import Security
-from kdist.ps.watchdog import CallCancelled, watched_call
+from kdist.rpc.security import Security
+from kdist.rpc.watchdog import CallCancelled, watched_call
 
 # Codes that mean "this worker is gone or could not answer": retry elsewhere.
 _WORKER_LOST = frozenset({
@@ -100,7 +100,7 @@ class Dispatcher:
             ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
             ("grpc.max_reconnect_backoff_ms", reconnect_ms),
         ]
-        # Proves the cluster secret and checks the worker's proof (kdist.ps.auth).
+        # Proves the cluster secret and checks the worker's proof (kdist.rpc.auth).
         self._channel = context.security.channel(address, options)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
         self._metadata = ()

@@ -27,7 +27,7 @@ import torch
 
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.errors import InvalidArgumentError
-from kdist.ps import dtypes
+from kdist.rpc import dtypes
 
 _TENSOR = "kdist.tensor"
 
@@ -90,7 +90,7 @@ def tensor_message(value):
 
     The dtype travels as NumPy's `dtype.str` ("<f4"), or, for the types NumPy
     lacks (bfloat16, float8: `ml_dtypes`), as the canonical name
-    (`kdist.ps.dtypes`); the bytes are the values' own, so they round-trip exactly.
+    (`kdist.rpc.dtypes`); the bytes are the values' own, so they round-trip exactly.
     """
     if isinstance(value, torch.Tensor):
         value = dtypes.to_numpy(value.detach().cpu().contiguous())

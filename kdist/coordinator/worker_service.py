@@ -46,7 +46,7 @@ from kdist.errors import (
     OutOfRangeError,
     ParameterServerUnavailableError,
 )
-from kdist.ps.security import Security
+from kdist.rpc.security import Security
 
 # Closures carry their batches (fit and evaluate on arrays), so messages are
 # larger than the variable service's chunks; nothing here is streamed.

@@ -80,7 +80,7 @@ class Server:
             `max_staleness`, checkpoints, ...); None for the defaults. A `"ps"`
             task whose options set no `checkpoint_dir` takes `kdist launch`'s
             (`KDIST_PS_CHECKPOINT_EVERY` and `KDIST_PS_CHECKPOINT_DIR`,
-            `kdist.ps.autosave`): it restores the checkpoint found there
+            `kdist.ps.server.autosave`): it restores the checkpoint found there
             before serving, and checkpoints itself there.
         security: a `kdist.ps.Security` (the cluster secret, TLS files); None
             for the default: the cluster secret from the environment (else this
@@ -232,7 +232,8 @@ class Server:
                         self._bind_address, self._cluster_spec, self._task_index, security=self._security
                     )
                 else:
-                    from kdist.ps import ServiceOptions, autosave, create_server
+                    from kdist.ps import ServiceOptions, create_server
+                    from kdist.ps.server import autosave
 
                     # Checkpoint settings: the program's options, else `kdist launch`'s.
                     options = autosave.with_environment(self._options or ServiceOptions())
@@ -240,7 +241,7 @@ class Server:
                         self._bind_address, options=options, security=self._security,
                         name=f"{self._job_name}-{self._task_index}",
                         # Its place in the job: checkpoints of another number
-                        # of servers are re-split (kdist.ps.reshard).
+                        # of servers are re-split (kdist.ps.server.reshard).
                         layout=(self._task_index, self._cluster_spec.num_tasks(self._job_name)),
                     )
                 with _serving_lock:
@@ -278,7 +279,7 @@ class Server:
         Args:
             grace: seconds that calls in flight may take to finish; new calls
                 are refused at once. None: the variable service's default
-                (`kdist.ps.server.DEFAULT_STOP_GRACE_SECONDS`); 0: cancel them.
+                (`kdist.ps.server.variable_server.DEFAULT_STOP_GRACE_SECONDS`); 0: cancel them.
         """
         with self._lock:
             server = self._server

@@ -56,7 +56,7 @@ def _check_options(options):
 def _check_security(security):
     if security is None:
         return None
-    from kdist.ps.security import Security
+    from kdist.rpc.security import Security
 
     if not isinstance(security, Security):
         raise InvalidArgumentError(

@@ -5,7 +5,7 @@ read (mode 0600, in a directory of mode 0700), and gives each child the file's
 path in `KDIST_SECRET_FILE`. The secret itself is never on a command line
 (`/proc/<pid>/cmdline` is readable by every local user) nor in a child's
 environment. The servers and clients of the job read it through
-`kdist.ps.security` and prove to each other that they hold it.
+`kdist.rpc.security` and prove to each other that they hold it.
 
 A user who set `KDIST_SECRET_FILE` or `KDIST_SECRET` (one secret for a whole
 multi-host cluster) keeps it: the children inherit it and nothing is made.
@@ -18,7 +18,7 @@ import secrets
 import shutil
 import tempfile
 
-# The names `kdist.ps.security` reads; defined here too so that the launcher
+# The names `kdist.rpc.security` reads; defined here too so that the launcher
 # does not import the gRPC side.
 SECRET_FILE_VARIABLE = "KDIST_SECRET_FILE"
 SECRET_VARIABLE = "KDIST_SECRET"

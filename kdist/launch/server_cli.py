@@ -146,8 +146,8 @@ def prepare(args, environ=None):
             "The chief runs the training program (with its ClusterCoordinator) and the "
             "evaluator runs kdist.SidecarEvaluator; neither serves."
         )
-    from kdist.ps.secret import SECRET_ENV, SECRET_FILE_ENV, environment_secret
-    from kdist.ps.security import Security, load_token
+    from kdist.rpc.secret import SECRET_ENV, SECRET_FILE_ENV, environment_secret
+    from kdist.rpc.security import Security, load_token
 
     task_address = cluster_spec.task_address(job_name, task_index)
     _, port = bind_endpoint(task_address, f"cluster[{job_name!r}][{task_index}]")

@@ -17,7 +17,8 @@ from kdist.coordinator import payload
 from kdist.coordinator._generated import worker_service_pb2 as pb
 from kdist.coordinator._generated import worker_service_pb2_grpc as pb_grpc
 from kdist.errors import PeerAuthenticationError, WorkerError
-from kdist.ps import Security, auth, auth_client
+from kdist.ps import Security
+from kdist.rpc import auth, auth_client
 from tests.coordinator import _cluster, _functions
 
 TOKEN = "s3cret"

@@ -17,7 +17,7 @@ from kdist.cluster import ClusterSpec
 from kdist.errors import InvalidArgumentError
 from kdist.launch import cli, server_cli
 from tests import harness
-from tests.ps.certs_fixture import certificates  # noqa: F401 (a fixture)
+from tests.rpc.certs_fixture import certificates  # noqa: F401 (a fixture)
 
 TIMEOUT = 60.0
 TOKEN = "cli-test-token"

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.wire._generated import variable_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["VariableService"]
 # Payload bytes per stream message; the server under test uses the same chunk size.

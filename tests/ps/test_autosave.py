@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from kdist.errors import InvalidArgumentError, ParameterServerUnavailableError
-from kdist.ps import DenseGradient, ServiceOptions, VariableClient, VariableInit, autosave, create_server
-from kdist.ps.autosaver import CHECKPOINT_NAME, COUNTER_NAME
-from kdist.ps.checkpoint import MANIFEST_NAME
+from kdist.ps import DenseGradient, ServiceOptions, VariableClient, VariableInit, create_server
+from kdist.ps.server import autosave
+from kdist.ps.server.autosaver import CHECKPOINT_NAME, COUNTER_NAME
+from kdist.ps.server.checkpoint import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(60)
 

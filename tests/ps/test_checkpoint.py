@@ -9,7 +9,7 @@ import pytest
 
 from kdist.errors import ParameterServerError
 from kdist.ps import DenseGradient, VariableClient, VariableInit, create_server
-from kdist.ps.checkpoint import MANIFEST_NAME
+from kdist.ps.server.checkpoint import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,13 +14,13 @@ import pytest
 
 from kdist.errors import ParameterServerError
 from kdist.ps import DenseGradient, RowGradient, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps import client as client_module
-from kdist.ps import client_retry
+from kdist.ps.client import retry as client_retry
+from kdist.ps.client import variable_client as client_module
 from tests.ps.conftest import sgd_config
 
 pytestmark = pytest.mark.timeout(120)
 
-# Name prefix of the in-process server's threads (`kdist.ps.server`, `kdist.ps.stream_guard`).
+# Name prefix of the in-process server's threads (`kdist.ps.server.variable_server`, `kdist.ps.server.stream_guard`).
 _SERVER_THREADS = "kdist-ps"
 
 

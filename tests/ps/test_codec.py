@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps import codec, dtypes
-from kdist.ps._generated import variable_service_pb2 as pb
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.rpc import dtypes
 
 
 def _header(arrays):

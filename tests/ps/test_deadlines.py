@@ -6,7 +6,7 @@ old retry policy, 2 of 4 pulls were still blocked 30 s after the kill, past a
 5 s deadline, and the watchdog's `cancel()` could not wake them). These tests
 kill real server processes during concurrent pulls, round after round (the
 hang was intermittent), and check that a call gRPC never ends is cancelled by
-the client's watchdog (`kdist.ps.watchdog`).
+the client's watchdog (`kdist.rpc.watchdog`).
 """
 
 import concurrent.futures
@@ -24,9 +24,9 @@ import pytest
 
 from kdist.errors import ParameterServerUnavailableError
 from kdist.ps import Security, ServiceOptions, VariableClient, VariableInit
-from kdist.ps import watchdog as watchdog_module
-from kdist.ps.methods import SERVICE_NAME
-from kdist.ps.watchdog import GRACE_SECONDS, Watchdog
+from kdist.ps.wire.methods import SERVICE_NAME
+from kdist.rpc import watchdog as watchdog_module
+from kdist.rpc.watchdog import GRACE_SECONDS, Watchdog
 from tests import harness
 
 pytestmark = pytest.mark.timeout(240)

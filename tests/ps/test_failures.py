@@ -12,9 +12,9 @@ import pytest
 
 from kdist.errors import ParameterServerError, ParameterServerUnavailableError
 from kdist.ps import DenseGradient, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.methods import METHODS
 from kdist.ps.options import FRAMING_BYTES
-from kdist.ps.security import Security
+from kdist.ps.wire.methods import METHODS
+from kdist.rpc.security import Security
 from tests import harness
 from tests.ps.conftest import sgd_config
 

@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from kdist.ps import ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.security import Security
 from kdist.ps.options import FRAMING_BYTES
+from kdist.rpc.security import Security
 from tests.ps.fuzz_requests import (
     CHUNK_BYTES,
     SERVICE,

@@ -23,11 +23,11 @@ from kdist.ps import (
     VariableInit,
     create_server,
 )
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps._generated import variable_service_pb2_grpc as pb_grpc
-from kdist.ps.security import Security
-from kdist.ps.status import MAX_DETAIL_BYTES
-from kdist.ps.stream_guard import StreamGuard
+from kdist.ps.server.stream_guard import StreamGuard
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire._generated import variable_service_pb2_grpc as pb_grpc
+from kdist.ps.wire.status import MAX_DETAIL_BYTES
+from kdist.rpc.security import Security
 from tests import harness
 
 pytestmark = pytest.mark.timeout(120)

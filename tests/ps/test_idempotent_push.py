@@ -7,9 +7,9 @@ import pytest
 
 from kdist.errors import InvalidArgumentError, ParameterServerError
 from kdist.ps import Assignment, DenseGradient, RowGradient, VariableClient, VariableInit
-from kdist.ps import client as client_module
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.store import MAX_REMEMBERED_UPDATES, GradientSpec, VariableStore
+from kdist.ps.client import variable_client as client_module
+from kdist.ps.server.store import GradientSpec, MAX_REMEMBERED_UPDATES, VariableStore
+from kdist.ps.wire._generated import variable_service_pb2 as pb
 from tests.ps.conftest import sgd_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,8 +1,8 @@
 """Load held: the job's own concurrency is never refused (issue 24, point 7).
 
 A server refuses a streaming call for which it has no slot before reading any
-of it (`kdist.ps.stream_guard`), and kdist's client sends it again after a
-jittered backoff within the call's deadline (`kdist.ps.client_retry`). The
+of it (`kdist.ps.server.stream_guard`), and kdist's client sends it again after a
+jittered backoff within the call's deadline (`kdist.ps.client.retry`). The
 per-client bound counts authenticated sessions, not connections. Every test
 runs real servers and clients on loopback; the 32 workers are real processes.
 """
@@ -17,10 +17,11 @@ import pytest
 
 from kdist.errors import ParameterServerError
 from kdist.ps import DenseGradient, Security, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps import client_retry, stream_guard
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps._generated import variable_service_pb2_grpc as pb_grpc
-from kdist.ps.client_payload import encode_gradient
+from kdist.ps.client import retry as client_retry
+from kdist.ps.client.payload import encode_gradient
+from kdist.ps.server import stream_guard
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire._generated import variable_service_pb2_grpc as pb_grpc
 from tests import harness
 from tests.ps.conftest import sgd_config
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kdist.ps import DenseGradient, RowGradient, VariableInit
-from kdist.ps.dtypes import to_numpy as from_torch
+from kdist.rpc.dtypes import to_numpy as from_torch
 
 pytestmark = pytest.mark.timeout(120)
 

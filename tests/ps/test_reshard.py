@@ -17,8 +17,8 @@ import pytest
 
 from kdist.errors import InvalidArgumentError, ParameterServerError
 from kdist.ps import Assignment, DenseGradient, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.reshard import PREVIOUS_NAME, CheckpointLayoutError
-from kdist.ps.values import ShardOrigin
+from kdist.ps.server.reshard import CheckpointLayoutError, PREVIOUS_NAME
+from kdist.ps.wire.values import ShardOrigin
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -220,7 +220,7 @@ def test_variables_the_new_job_never_creates_are_logged_once(tmp_path, caplog):
     servers = _servers(tmp_path, 3)
     try:
         clients = _create(servers, layout)
-        with caplog.at_level(logging.WARNING, logger="kdist.ps.reshard"):
+        with caplog.at_level(logging.WARNING, logger="kdist.ps.server.reshard"):
             clients[0].push([DenseGradient("v0/part_0", np.ones((3, 3), "float32"))])
             clients[0].push([DenseGradient("v0/part_0", np.ones((3, 3), "float32"))])
         lines = [r.getMessage() for r in caplog.records if "created by no server" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Tables initialised on their parameter servers (`kdist.ps.server_init`): same numbers as one device, no value sent."""
+"""Tables initialised on their parameter servers (`kdist.ps.server.server_init`): same numbers as one device, no value sent."""
 
 import json
 
@@ -8,8 +8,8 @@ import pytest
 
 from kdist.errors import InvalidArgumentError, ParameterServerError
 from kdist.ps import VariableInit
-from kdist.ps.server_init import initial_shard, initializer_config
-from kdist.ps.values import ServerInitializer
+from kdist.ps.server.server_init import initial_shard, initializer_config
+from kdist.ps.wire.values import ServerInitializer
 
 SHAPE = (50, 6)
 

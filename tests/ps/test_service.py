@@ -13,10 +13,10 @@ from kdist.ps import (
     RowGradient,
     Security,
     VariableInit,
-    codec,
 )
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.methods import METHODS
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire.methods import METHODS
 from tests.ps.conftest import sgd_config
 
 pytestmark = pytest.mark.timeout(120)

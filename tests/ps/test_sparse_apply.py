@@ -9,12 +9,13 @@ import kdist
 from kdist import faults
 from kdist.cluster import SimpleClusterResolver
 from kdist.errors import InvalidArgumentError
-from kdist.ps import RowGradient, Security, VariableInit, codec, create_server
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.dtypes import to_numpy as from_torch
-from kdist.ps.methods import METHODS
-from kdist.ps.row_updates import check_sparse_updates
-from kdist.ps.store import GradientSpec, VariableStore
+from kdist.ps import RowGradient, Security, VariableInit, create_server
+from kdist.ps.server.row_updates import check_sparse_updates
+from kdist.ps.server.store import GradientSpec, VariableStore
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
+from kdist.ps.wire.methods import METHODS
+from kdist.rpc.dtypes import to_numpy as from_torch
 from tests import harness
 
 pytestmark = pytest.mark.timeout(180)

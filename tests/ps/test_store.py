@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kdist.ps import codec
-from kdist.ps._generated import variable_service_pb2 as pb
-from kdist.ps.servicer import VariableServicer
-from kdist.ps.store import GradientSpec, VariableStore
+from kdist.ps.server.servicer import VariableServicer
+from kdist.ps.server.store import GradientSpec, VariableStore
+from kdist.ps.wire import codec
+from kdist.ps.wire._generated import variable_service_pb2 as pb
 from tests.ps.conftest import sgd_config
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,13 +16,13 @@ returns `[]` for it, and the strategy does not partition it.
 
 A dtype may be given as a string (`"float32"`, `"bfloat16"`, `"string"`), a
 NumPy dtype or scalar type, or a `torch.dtype` (`canonical_dtype_name`, from
-`kdist.ps.dtypes`, names it).
+`kdist.rpc.dtypes`, names it).
 """
 
 import abc
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps.dtypes import canonical_dtype_name, numpy_dtype, torch_dtype
+from kdist.rpc.dtypes import canonical_dtype_name, numpy_dtype, torch_dtype
 from kdist.validation import is_integer, require_positive_integer
 
 DEFAULT_MIN_SHARD_BYTES = 256 << 10

@@ -25,7 +25,7 @@ import numpy as np
 from kdist.distribute.parameter_server.partitioners import canonical_shape
 from kdist.distribute.parameter_server.rows import RowGroup, RowRange, div_partition, group_rows
 from kdist.errors import InvalidArgumentError
-from kdist.ps.dtypes import canonical_dtype_name
+from kdist.rpc.dtypes import canonical_dtype_name
 from kdist.validation import is_integer
 
 __all__ = [

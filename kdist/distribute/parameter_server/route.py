@@ -24,8 +24,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from kdist.ps import VariableInit, dtypes
-from kdist.ps.values import ServerInitializer, ShardOrigin
+from kdist.ps import VariableInit
+from kdist.ps.wire.values import ServerInitializer, ShardOrigin
+from kdist.rpc import dtypes
 
 
 def server_keys(index, placement):
@@ -94,7 +95,7 @@ class Route:
             else:
                 part, initializer = placement.shard_part(position, value), None
             # Every shard says where it lies: a server restoring the checkpoints
-            # of another number of servers fills it from those rows (kdist.ps.reshard).
+            # of another number of servers fills it from those rows (kdist.ps.server.reshard).
             origin = ShardOrigin(tuple(placement.shape), shard.row_start if placement.is_partitioned else 0)
             item = VariableInit(self.keys[position], part, trainable=self.trainable,
                                 initializer=initializer, shard=origin)

@@ -27,17 +27,17 @@ has its own name):
    by owner via `kdist.distribute.parameter_server.rows`) as
    `kdist.ps.DenseGradient` / `RowGradient` values, one batch per server.
 2. client: `kdist.ps.VariableClient.push` sends one batch (the `Push` RPC).
-3. payload: `kdist.ps.client_payload.encode_gradient` turns each value into
+3. payload: `kdist.ps.client.payload.encode_gradient` turns each value into
    a `GradientMeta` header entry plus the arrays it carries.
-4. codec: `kdist.ps.codec.encode_stream` frames header and arrays into
+4. codec: `kdist.ps.wire.codec.encode_stream` frames header and arrays into
    chunked stream messages; on the server, `codec.read_stream` decodes them
    into arrays laid out as the header announced.
-5. servicer: `kdist.ps.servicer.VariableServicer.push` (the RPC handler)
+5. servicer: `kdist.ps.server.servicer.VariableServicer.push` (the RPC handler)
    reads the header into `GradientSpec`s.
 6. store: `VariableStore.plan_update` validates the whole request before
    anything changes; `VariableStore.apply_update` applies it, at most once per
    update id, variable by variable under each variable's lock.
-7. optimizer host: `kdist.ps.optimizer_host.VariableOptimizer.apply` runs the
+7. optimizer host: `kdist.ps.server.optimizer_host.VariableOptimizer.apply` runs the
    variable's own Keras optimizer on the (dense) gradient.
 """
 
@@ -51,9 +51,10 @@ import numpy as np
 from kdist.distribute.parameter_server import optimizer_states
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
-from kdist.ps import Assignment, DenseGradient, RowGradient, dtypes
-from kdist.ps.row_updates import CONFIG_KEY as SPARSE_UPDATES_KEY
-from kdist.ps.values import check_update_id
+from kdist.ps import Assignment, DenseGradient, RowGradient
+from kdist.ps.server.row_updates import CONFIG_KEY as SPARSE_UPDATES_KEY
+from kdist.ps.wire.values import check_update_id
+from kdist.rpc import dtypes
 
 __all__ = ["Route", "RouteReader", "VariableRouter"]
 
@@ -69,7 +70,7 @@ class VariableRouter:
 
     def __init__(self, addresses, options=None, security=None):
         # Imported here: the client loads gRPC, which `import kdist.distribute` must not.
-        from kdist.ps.client import VariableClient
+        from kdist.ps.client.variable_client import VariableClient
 
         self._clients = [VariableClient(address, options=options, security=security) for address in addresses]
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -92,7 +93,7 @@ class VariableRouter:
         Idempotent across workers: the first creator's value wins, so every
         worker starts from the same weights.
 
-        With `initializer_json` (`kdist.ps.server_init`), a table that lives on
+        With `initializer_json` (`kdist.ps.server.server_init`), a table that lives on
         the servers only (`Route.remote`): they compute its value; the local
         variable is neither read nor written; steps read it by rows.
         """
@@ -329,7 +330,7 @@ class VariableRouter:
         parts = self.read_shards(entry, range(entry.placement.num_shards))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    # How servers apply row gradients (`kdist.ps.row_updates`); the strategy's
+    # How servers apply row gradients (`kdist.ps.server.row_updates`); the strategy's
     # `sparse_updates` argument sets it. "exact" sends the config unchanged.
     sparse_updates = "exact"
 

@@ -30,7 +30,7 @@ from kdist.distribute.parameter_server.variable_reader import (
     checked_results,
 )
 from kdist.errors import InvalidArgumentError
-from kdist.ps.dtypes import numpy_dtype
+from kdist.rpc.dtypes import numpy_dtype
 from kdist.validation import is_integer
 
 

@@ -28,7 +28,7 @@ from kdist.distribute.parameter_server.sharded_variable import RemoteVariable, S
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Security
-from kdist.ps.row_updates import check_sparse_updates
+from kdist.ps.server.row_updates import check_sparse_updates
 
 PS_JOB = "ps"
 WORKER_JOB = "worker"

@@ -4,7 +4,7 @@ A table's worth of memory on every worker is what parameter servers exist to
 avoid. An `Embedding` table, or a row-partitioned trainable variable of two or
 more dimensions, created in a `ParameterServerStrategy` scope with one of
 Keras' own initializers is therefore created on its servers, which compute
-its value (`kdist.ps.server_init`), and the local Keras variable holds a
+its value (`kdist.ps.server.server_init`), and the local Keras variable holds a
 `RemoteTable`: a tensor shaped like the table whose memory is one element
 (every row is a zero-stride view of it). Optimizer slots of such a table
 (`add_variable_from_reference`) get one too: the servers hold them.
@@ -36,8 +36,8 @@ import torch
 
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat
-from kdist.ps import dtypes
-from kdist.ps.server_init import initializer_config
+from kdist.ps.server.server_init import initializer_config
+from kdist.rpc import dtypes
 
 _local = threading.local()  # .slot_reference: the variable whose optimizer slot is being created
 # Tensor functions that read only metadata, or set an attribute (`.grad`).

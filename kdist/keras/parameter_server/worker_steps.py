@@ -37,7 +37,7 @@ from kdist.keras import _compat, adapters, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.parameter_server import optimizer_restore, remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
-from kdist.ps.optimizer_host import slot_name
+from kdist.ps.server.optimizer_host import slot_name
 
 _local = threading.local()
 
@@ -232,7 +232,7 @@ def _wrap_optimizer(optimizer, session):
         with remote_tables.slot_of(reference_variable):  # a table the servers hold: so are its slots
             slot = original_add(reference_variable, *args, **kwargs)
         name = kwargs.get("name", args[0] if args else None)
-        # Named as the servers name it (`kdist.ps.optimizer_host.slot_name`):
+        # Named as the servers name it (`kdist.ps.server.optimizer_host.slot_name`):
         # unique per (variable, slot), so two slots of one short name both map.
         taken = optimizer._kdist_ps_slot_names.setdefault(id(reference_variable), [])
         taken.append(slot_name(name, taken))
