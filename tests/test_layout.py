@@ -155,6 +155,39 @@ def test_layer_check_catches_an_upward_import():
     assert upward_imports([("kdist.ps.planted", "kdist/ps/planted.py", allowed)]) == []
 
 
+# Inside `kdist.ps`, each side imports the wire (and the shared `kdist.ps.options`), never the other side.
+PS_SIDES = {"kdist.ps.wire": {"kdist.ps.wire", "kdist.ps.options"},
+            "kdist.ps.client": {"kdist.ps.client", "kdist.ps.wire", "kdist.ps.options"},
+            "kdist.ps.server": {"kdist.ps.server", "kdist.ps.wire", "kdist.ps.options"}}
+
+
+def crossed_sides(sources):
+    """Imports of one side of `kdist.ps` (wire, client, server) into a side it must not read, as text."""
+    crossed = []
+    for name, where, text in sources:
+        side = ".".join(name.split(".")[:3])
+        allowed = PS_SIDES.get(side)
+        if allowed is None:
+            continue
+        for line, target in _imported(ast.parse(text)):
+            target_side = ".".join(target.split(".")[:3])
+            if target.startswith("kdist.ps") and target_side not in allowed:
+                crossed.append(f"{where}:{line} imports {target} ({side} must not read {target_side})")
+    return crossed
+
+
+def test_ps_sides_share_only_the_wire():
+    assert crossed_sides(_sources()) == []
+    planted = [
+        ("kdist.ps.client.planted", "kdist/ps/client/planted.py", "from kdist.ps.server import store\n"),
+        ("kdist.ps.wire.planted", "kdist/ps/wire/planted.py", "from kdist.ps.client import retry\n"),
+    ]
+    assert crossed_sides(planted) == [
+        "kdist/ps/client/planted.py:1 imports kdist.ps.server (kdist.ps.client must not read kdist.ps.server)",
+        "kdist/ps/wire/planted.py:1 imports kdist.ps.client (kdist.ps.wire must not read kdist.ps.client)",
+    ]
+
+
 def test_no_module_is_over_the_size_limit():
     long = {str(path.relative_to(ROOT.parent)): n for _, path in _modules()
             if (n := len(path.read_text().splitlines())) > MAX_LINES}

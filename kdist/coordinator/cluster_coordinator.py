@@ -239,7 +239,7 @@ class ClusterCoordinator:
         self._queue.wait_idle()
         self._queue.raise_error()
         store = self._strategy.extended.variable_router
-        store.pull(store.all_entries())
+        store.pull(store.all_routes())
 
     def done(self):
         """True when nothing is queued or running (raises a recorded error, like `join`)."""

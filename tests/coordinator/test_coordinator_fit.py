@@ -138,7 +138,7 @@ def test_fit_with_two_workers_two_ps_and_partitioned_variables_saves_the_ps_stat
     layer = reloaded.layers[1]
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(layer.kernel),
-        np.concatenate([server_values[key] for key in strategy.extended.variable_router.entry(kernel).keys]))
+        np.concatenate([server_values[key] for key in strategy.extended.variable_router.route(kernel).keys]))
     for epoch in (1, 2, 3):
         assert (tmp_path / f"model-{epoch}.keras").exists()
 

@@ -12,19 +12,19 @@ import numpy as np
 from kdist.ps import OptimizerState
 
 
-def gather(entries, per_server):
-    """One `(iterations, {slot name: whole array})` per entry, from the servers' answers.
+def gather(routes, per_server):
+    """One `(iterations, {slot name: whole array})` per route, from the servers' answers.
 
     Args:
-        entries: `Route`s.
+        routes: `Route`s.
         per_server: each server's name -> `OptimizerState` (`VariableClient.optimizer_state`).
     """
     states = {}
     for answer in per_server:
         states.update(answer)
     gathered = []
-    for entry in entries:
-        shards = [states[key] for key in entry.keys]
+    for route in routes:
+        shards = [states[key] for key in route.keys]
         iterations = max(state.iterations for state in shards)
         slots = {
             name: np.concatenate([state.slots[name] for state in shards]) if len(shards) > 1 else shards[0].slots[name]
@@ -34,18 +34,18 @@ def gather(entries, per_server):
     return gathered
 
 
-def split(entries, states):
-    """`{ps_index: {server key: OptimizerState}}` setting each entry's shards from `states`.
+def split(routes, states):
+    """`{ps_index: {server key: OptimizerState}}` setting each route's shards from `states`.
 
     Args:
-        entries: `Route`s.
-        states: one `(iterations, {slot name: whole array})` per entry.
+        routes: `Route`s.
+        states: one `(iterations, {slot name: whole array})` per route.
     """
     requests = {}
-    for entry, (iterations, slots) in zip(entries, states):
-        placement = entry.placement
+    for route, (iterations, slots) in zip(routes, states):
+        placement = route.placement
         for position, shard in enumerate(placement.shards):
             parts = {name: np.ascontiguousarray(placement.shard_part(position, np.asarray(value)))
                      for name, value in slots.items()}
-            requests.setdefault(shard.ps_index, {})[entry.keys[position]] = OptimizerState(int(iterations), parts)
+            requests.setdefault(shard.ps_index, {})[route.keys[position]] = OptimizerState(int(iterations), parts)
     return requests

@@ -10,7 +10,7 @@ All traffic goes through `kdist.ps.VariableClient`. A call that touches
 several parameter servers sends one request to each, in parallel: a step
 costs one round trip per server for its pull and one for its push.
 
-Thread-safety: `VariableRouter` may be used from several threads; each entry
+Thread-safety: `VariableRouter` may be used from several threads; each route
 is written by the thread that runs the model's step.
 
 Exactly-once pushes: a push may carry an update id, and each parameter server
@@ -28,7 +28,7 @@ has its own name):
    `kdist.ps.DenseGradient` / `RowGradient` values, one batch per server.
 2. client: `kdist.ps.VariableClient.push` sends one batch (the `Push` RPC).
 3. payload: `kdist.ps.client.payload.encode_gradient` turns each value into
-   a `GradientMeta` header entry plus the arrays it carries.
+   a `GradientMeta` header route plus the arrays it carries.
 4. codec: `kdist.ps.wire.codec.encode_stream` frames header and arrays into
    chunked stream messages; on the server, `codec.read_stream` decodes them
    into arrays laid out as the header announced.
@@ -52,7 +52,7 @@ from kdist.distribute.parameter_server import optimizer_states
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Assignment, DenseGradient, RowGradient
-from kdist.ps.server.row_updates import CONFIG_KEY as SPARSE_UPDATES_KEY
+from kdist.ps.wire.conventions import CONFIG_KEY as SPARSE_UPDATES_KEY
 from kdist.ps.wire.values import check_update_id
 from kdist.rpc import dtypes
 
@@ -76,7 +76,7 @@ class VariableRouter:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self._clients)), thread_name_prefix="kdist-ps"
         )
-        self._entries = {}
+        self._routes = {}
         self._counter = itertools.count()
         self._lock = threading.Lock()
         self._update_ids = threading.local()  # .block: this thread's _UpdateIdBlock or None
@@ -102,19 +102,19 @@ class VariableRouter:
         # Keyed by creation order, not by name (see `route.server_keys`).
         keys = server_keys(index, placement)
         remote = initializer_json is not None
-        entry = Route(variable, placement, keys, [0] * len(keys), row_sparse=remote, remote=remote)
-        requests = entry.create_requests(initializer_json)
+        route = Route(variable, placement, keys, [0] * len(keys), row_sparse=remote, remote=remote)
+        requests = route.create_requests(initializer_json)
         results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
         for ps_index, items in requests.items():
             for (position, _), state in zip(items, results[ps_index]):
                 if not remote:
-                    entry.write_shard(position, state.value)
-                entry.versions[position] = state.version
+                    route.write_shard(position, state.value)
+                route.versions[position] = state.version
         if not remote:
-            entry.take_snapshot()
+            route.take_snapshot()
         with self._lock:
-            self._entries[id(variable)] = entry
-        return entry
+            self._routes[id(variable)] = route
+        return route
 
     def adopt(self, variable, placement, keys):
         """Binds a local `variable` to shards that already exist on the servers (creates nothing).
@@ -123,87 +123,87 @@ class VariableRouter:
         the chief's keys; its first `pull` reads every value (versions start
         unknown).
         """
-        entry = Route(variable, placement, tuple(keys), [-1] * len(keys))
+        route = Route(variable, placement, tuple(keys), [-1] * len(keys))
         with self._lock:
-            self._entries[id(variable)] = entry
-        return entry
+            self._routes[id(variable)] = route
+        return route
 
-    def all_entries(self):
-        """Every entry of this store, in registration order."""
+    def all_routes(self):
+        """Every route of this store, in registration order."""
         with self._lock:
-            return list(self._entries.values())
+            return list(self._routes.values())
 
-    def entry(self, variable):
+    def route(self, variable):
         """The `Route` of `variable`, or None when it does not live on a parameter server."""
-        entry = self._entries.get(id(variable))
-        return entry if entry is not None and entry.variable is variable else None
+        route = self._routes.get(id(variable))
+        return route if route is not None and route.variable is variable else None
 
-    def entries(self, variables):
+    def routes(self, variables):
         """Entries of those `variables` that live on parameter servers, in order, without repeats."""
         seen, result = set(), []
         for variable in variables:
-            entry = self.entry(variable)
-            if entry is not None and id(entry) not in seen:
-                seen.add(id(entry))
-                result.append(entry)
+            route = self.route(variable)
+            if route is not None and id(route) not in seen:
+                seen.add(id(route))
+                result.append(route)
         return result
 
     # ----- reads ------------------------------------------------------------------
-    def pull(self, entries, *, include_row_sparse=False, only_changed=True):
+    def pull(self, routes, *, include_row_sparse=False, only_changed=True):
         """Reads the servers' values into the local copies (one request per server)."""
         requests = {}
-        for entry in entries:
-            if (entry.row_sparse and not include_row_sparse) or entry.remote:  # a remote table has no local copy
+        for route in routes:
+            if (route.row_sparse and not include_row_sparse) or route.remote:  # a remote table has no local copy
                 continue
-            for position, shard in enumerate(entry.placement.shards):
-                requests.setdefault(shard.ps_index, []).append((entry, position))
+            for position, shard in enumerate(route.placement.shards):
+                requests.setdefault(shard.ps_index, []).append((route, position))
 
         def pull_from(client, items):
-            names = [entry.keys[position] for entry, position in items]
-            known = {entry.keys[position]: entry.versions[position] for entry, position in items} if only_changed else None
+            names = [route.keys[position] for route, position in items]
+            known = {route.keys[position]: route.versions[position] for route, position in items} if only_changed else None
             # Values land straight in the local variables' memory (no copy).
-            out = {name: view for name, (entry, position) in zip(names, items) if (view := entry.local_view(position)) is not None}
+            out = {name: view for name, (route, position) in zip(names, items) if (view := route.local_view(position)) is not None}
             try:
                 return client.pull(names, known_versions=known, out=out), out
             except Exception:
                 # A pull that failed part-way may have overwritten some local
                 # values: forget their versions so the next pull resends them.
-                for entry, position in items:
-                    entry.versions[position] = -1
+                for route, position in items:
+                    route.versions[position] = -1
                 raise
 
         results = self._per_server(requests, pull_from)
         for ps_index, items in requests.items():
             states, out = results[ps_index]
-            for (entry, position), state in zip(items, states):
-                if state.value is not None and state.value is not out.get(entry.keys[position]):
-                    entry.write_shard(position, state.value)
-                entry.versions[position] = state.version
-        for entry in entries:
-            entry.take_snapshot()
+            for (route, position), state in zip(items, states):
+                if state.value is not None and state.value is not out.get(route.keys[position]):
+                    route.write_shard(position, state.value)
+                route.versions[position] = state.version
+        for route in routes:
+            route.take_snapshot()
 
-    def lookup(self, entry, row_ids):
-        """Rows `row_ids` (unique, int64, 1-D) of `entry`'s table, read from the shards that own them.
+    def lookup(self, route, row_ids):
+        """Rows `row_ids` (unique, int64, 1-D) of `route`'s table, read from the shards that own them.
 
         Returns:
             `(rows, versions)`: a tensor of `len(row_ids)` rows (the table's
             dtype) on the CPU and the version of each shard that answered (by
             shard position).
         """
-        groups = entry.placement.shard_for_rows(row_ids)
+        groups = route.placement.shard_for_rows(row_ids)
         requests = [(group.shard_index, group.local_ids) for group in groups]
-        rows = np.empty((len(row_ids),) + tuple(entry.placement.shape[1:]), dtype=dtypes.numpy_dtype(entry.placement.dtype))
+        rows = np.empty((len(row_ids),) + tuple(route.placement.shape[1:]), dtype=dtypes.numpy_dtype(route.placement.dtype))
         versions = {}
-        for group, (values, version) in zip(groups, self.lookup_shards(entry, requests)):
+        for group, (values, version) in zip(groups, self.lookup_shards(route, requests)):
             rows[group.positions] = values
             versions[group.shard_index] = version
         return dtypes.to_torch(rows), versions
 
-    def lookup_shards(self, entry, requests):
-        """Rows of `entry`'s shards: `[(shard position, local ids)]` -> `[(rows, version)]`, one request per server."""
+    def lookup_shards(self, route, requests):
+        """Rows of `route`'s shards: `[(shard position, local ids)]` -> `[(rows, version)]`, one request per server."""
         by_server = {}
         for index, (position, local_ids) in enumerate(requests):
-            by_server.setdefault(entry.placement.shards[position].ps_index, []).append((index, entry.keys[position], local_ids))
+            by_server.setdefault(route.placement.shards[position].ps_index, []).append((index, route.keys[position], local_ids))
         results = self._per_server(by_server, lambda client, items: client.lookup([(key, ids) for _, key, ids in items]))
         answers = [None] * len(requests)
         for ps_index, items in by_server.items():
@@ -211,11 +211,11 @@ class VariableRouter:
                 answers[index] = answer
         return answers
 
-    def read_shards(self, entry, positions):
-        """Current server values of `entry`'s shards at `positions` (the local copy is untouched)."""
+    def read_shards(self, route, positions):
+        """Current server values of `route`'s shards at `positions` (the local copy is untouched)."""
         by_server = {}
         for index, position in enumerate(positions):
-            by_server.setdefault(entry.placement.shards[position].ps_index, []).append((index, entry.keys[position]))
+            by_server.setdefault(route.placement.shards[position].ps_index, []).append((index, route.keys[position]))
         results = self._per_server(by_server, lambda client, items: client.pull([key for _, key in items]))
         values = [None] * len(positions)
         for ps_index, items in by_server.items():
@@ -228,9 +228,9 @@ class VariableRouter:
         """Sends one update to every server it concerns, in parallel (stage 1 of a push).
 
         Args:
-            dense: `(entry, gradient tensor)` pairs, full-variable gradients.
-            rows: `(entry, unique row ids, row gradients, shard versions)`.
-            assign: entries whose local value replaces the servers' value.
+            dense: `(route, gradient tensor)` pairs, full-variable gradients.
+            rows: `(route, unique row ids, row gradients, shard versions)`.
+            assign: routes whose local value replaces the servers' value.
             update_id: an idempotency key sent to every server contacted; each
                 applies it once (see `kdist.ps.VariableClient.push`). None:
                 the next id of this thread's `idempotent_updates` block, or
@@ -248,23 +248,23 @@ class VariableRouter:
             update_id = None if block is None else block.next_id()
         check_update_id(update_id)
         requests = {}
-        for entry, gradient in dense:
+        for route, gradient in dense:
             gradient = to_numpy(gradient)
-            for position, shard in enumerate(entry.placement.shards):
-                update = DenseGradient(entry.keys[position], entry.placement.shard_part(position, gradient), entry.versions[position])
+            for position, shard in enumerate(route.placement.shards):
+                update = DenseGradient(route.keys[position], route.placement.shard_part(position, gradient), route.versions[position])
                 requests.setdefault(shard.ps_index, ([], []))[0].append(update)
-        for entry, row_ids, values, versions in rows:
+        for route, row_ids, values, versions in rows:
             values = to_numpy(values)
-            for group in entry.placement.shard_for_rows(row_ids):
+            for group in route.placement.shard_for_rows(row_ids):
                 position = group.shard_index
-                update = RowGradient(entry.keys[position], group.local_ids, values[group.positions], versions.get(position, entry.versions[position]))
-                requests.setdefault(entry.placement.shards[position].ps_index, ([], []))[0].append(update)
+                update = RowGradient(route.keys[position], group.local_ids, values[group.positions], versions.get(position, route.versions[position]))
+                requests.setdefault(route.placement.shards[position].ps_index, ([], []))[0].append(update)
         for item in assign:
-            # An entry (its local value), or `(entry, value)` for a table that lives on the servers only.
-            entry, value = item if isinstance(item, tuple) else (item, to_numpy(item.variable.value))
+            # A route (its local value), or `(route, value)` for a table that lives on the servers only.
+            route, value = item if isinstance(item, tuple) else (item, to_numpy(item.variable.value))
             value = to_numpy(value)
-            for position, shard in enumerate(entry.placement.shards):
-                assignment = Assignment(entry.keys[position], entry.placement.shard_part(position, value))
+            for position, shard in enumerate(route.placement.shards):
+                assignment = Assignment(route.keys[position], route.placement.shard_part(position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
         results = self._per_server(
             requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
@@ -311,48 +311,48 @@ class VariableRouter:
         finally:
             self._update_ids.block = outer
 
-    def assign(self, entries):
-        """Writes the local values of `entries` to their servers (restoring weights, for instance).
+    def assign(self, routes):
+        """Writes the local values of `routes` to their servers (restoring weights, for instance).
 
         Tables that live on the servers only are skipped: `assign_whole` writes them.
         """
-        entries = [entry for entry in entries if not entry.remote]
-        self.send_gradients((), (), assign=entries)
-        self.pull(entries, include_row_sparse=True)
+        routes = [route for route in routes if not route.remote]
+        self.send_gradients((), (), assign=routes)
+        self.pull(routes, include_row_sparse=True)
 
-    def assign_whole(self, entry, value):
-        """Replaces the servers' value of `entry` by `value` (the whole variable), as one update."""
-        self.send_gradients((), (), assign=[(entry, value)])
-        entry.versions[:] = [-1] * len(entry.versions)
+    def assign_whole(self, route, value):
+        """Replaces the servers' value of `route` by `value` (the whole variable), as one update."""
+        self.send_gradients((), (), assign=[(route, value)])
+        route.versions[:] = [-1] * len(route.versions)
 
-    def read_whole(self, entry):
-        """The servers' current value of the whole of `entry` (NumPy), fetched shard by shard."""
-        parts = self.read_shards(entry, range(entry.placement.num_shards))
+    def read_whole(self, route):
+        """The servers' current value of the whole of `route` (NumPy), fetched shard by shard."""
+        parts = self.read_shards(route, range(route.placement.num_shards))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     # How servers apply row gradients (`kdist.ps.server.row_updates`); the strategy's
     # `sparse_updates` argument sets it. "exact" sends the config unchanged.
     sparse_updates = "exact"
 
-    def configure_optimizer(self, config, entries):
-        """Tells each server which optimizer applies the pushes to `entries`' shards."""
+    def configure_optimizer(self, config, routes):
+        """Tells each server which optimizer applies the pushes to `routes`' shards."""
         if self.sparse_updates != "exact":
             config = {**config, SPARSE_UPDATES_KEY: self.sparse_updates}
-        self._per_server(keys_by_server(entries), lambda client, names: client.configure_optimizer(config, names))
+        self._per_server(keys_by_server(routes), lambda client, names: client.configure_optimizer(config, names))
 
-    def optimizer_state(self, entries):
-        """Reads back the servers' optimizer state of `entries`.
+    def optimizer_state(self, routes):
+        """Reads back the servers' optimizer state of `routes`.
 
         Returns:
-            A list, one item per entry: `(iterations, {slot name: full array})`;
+            A list, one item per route: `(iterations, {slot name: full array})`;
             a partitioned variable's slots are its shards' slots concatenated.
         """
-        results = self._per_server(keys_by_server(entries), lambda client, names: client.optimizer_state(names))
-        return optimizer_states.gather(entries, results.values())
+        results = self._per_server(keys_by_server(routes), lambda client, names: client.optimizer_state(names))
+        return optimizer_states.gather(routes, results.values())
 
-    def load_optimizer_state(self, entries, states):
-        """Sets the servers' optimizer state of `entries` (configured) from `states`, as read above."""
-        requests = optimizer_states.split(entries, states)
+    def load_optimizer_state(self, routes, states):
+        """Sets the servers' optimizer state of `routes` (configured) from `states`, as read above."""
+        requests = optimizer_states.split(routes, states)
         self._per_server(requests, lambda client, part: client.load_optimizer_state(part))
 
     def stats(self):
@@ -375,13 +375,13 @@ class VariableRouter:
         return {ps_index: future.result() for ps_index, future in futures.items()}
 
     @staticmethod
-    def changed(entry):
-        """True when a non-trainable entry's local value differs from what was last read."""
-        return entry.changed()
+    def changed(route):
+        """True when a non-trainable route's local value differs from what was last read."""
+        return route.changed()
 
-    def reader(self, entry):
-        """A `sharded_variable.VariableReader` of `entry`'s shards, which also knows their server keys."""
-        return RouteReader(self, entry)
+    def reader(self, route):
+        """A `sharded_variable.VariableReader` of `route`'s shards, which also knows their server keys."""
+        return RouteReader(self, route)
 
 
 class _UpdateIdBlock:

@@ -28,7 +28,7 @@ from kdist.distribute.parameter_server.sharded_variable import RemoteVariable, S
 from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Security
-from kdist.ps.server.row_updates import check_sparse_updates
+from kdist.ps.wire.conventions import check_sparse_updates
 
 PS_JOB = "ps"
 WORKER_JOB = "worker"
@@ -170,13 +170,13 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         With `initializer_json`, before its local initialisation: a table the
         servers hold and initialise (`VariableRouter.register`).
         """
-        if self._creation_paused or self.variable_router.entry(variable) is not None:
+        if self._creation_paused or self.variable_router.route(variable) is not None:
             return None
         target = self.colocation_target
         colocate_with = None
         if target is not None:
-            target_entry = self.variable_router.entry(target)
-            colocate_with = None if target_entry is None else target_entry.placement
+            target_route = self.variable_router.route(target)
+            colocate_with = None if target_route is None else target_route.placement
         placement = self._placer.place(
             variable.name,
             # From the value: Keras sets `variable.shape` only after initialising it.
@@ -223,8 +223,8 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
 
     def placement(self, variable):
         """The `VariablePlacement` of `variable`, or None when it is a local variable."""
-        entry = self.variable_router.entry(variable)
-        return None if entry is None else entry.placement
+        route = self.variable_router.route(variable)
+        return None if route is None else route.placement
 
     def variable_device(self, variable):
         """Where `variable` lives, e.g. `"/job:ps/replica:0/task:1/device:CPU:0"` (its first shard)."""
@@ -241,7 +241,7 @@ class ParameterServerExtended(ChiefRoles, MirroredExtended):
         placement = self.placement(variable)
         if placement is None:
             self.variable_device(variable)  # raises the explanatory error
-        reader = self.variable_router.reader(self.variable_router.entry(variable))
+        reader = self.variable_router.reader(self.variable_router.route(variable))
         if placement.is_partitioned:
             return ShardedVariable(placement, reader)
         return RemoteVariable(placement, reader)

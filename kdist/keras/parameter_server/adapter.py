@@ -61,8 +61,8 @@ class ParameterServerAdapter(ReplicaAdapter):
                 return run(model, strategy, *args, **kwargs)
             finally:
                 session.pull(include_row_sparse=True)
-                for entry in marked:
-                    entry.row_sparse = entry.remote  # a table the servers hold stays read by rows
+                for route in marked:
+                    route.row_sparse = route.remote  # a table the servers hold stays read by rows
         if name in _ONE_STEP_CALLS:
             with chief_fit.one_step_per_execution(model):
                 return worker_steps.local_call(method, model, name, args, kwargs)

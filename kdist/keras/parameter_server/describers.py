@@ -73,14 +73,14 @@ def _describe_layer(layer, coordinator):
     store = strategy.extended.variable_router
     layout = []
     for weight in layer.weights:
-        entry = store.entry(weight)
-        if entry is None:
+        route = store.route(weight)
+        if route is None:
             raise InvalidArgumentError(
                 "A model used in a scheduled function must be created in strategy.scope(), so that "
                 f"its weights live on the parameter servers. Received: weight {weight.path!r} of "
                 f"{layer.name!r}, which lives on the chief only."
             )
-        layout.append((entry.keys, entry.placement, tuple(weight.shape), str(weight.dtype)))
+        layout.append((route.keys, route.placement, tuple(weight.shape), str(weight.dtype)))
     if not layer.built and not _builds_no_weights(layer):
         raise InvalidArgumentError(
             f"Build the model before scheduling functions that use it. Received: {layer.name!r} "
@@ -101,7 +101,7 @@ def _describe_layer(layer, coordinator):
         "layout": layout,
         # Tables the servers hold: the worker creates no local value for them.
         "remote_tables": [remote_tables.table_key(weight.path) for weight in layer.weights
-                          if store.entry(weight).remote],
+                          if store.route(weight).remote],
         "compile": compile_config,
         "optimizer": optimizer if compile_config else None,
     }
@@ -122,17 +122,17 @@ def _describe_variable(variable, coordinator):
     if known is not None and known[1] == "weight":
         return "model_variable", (known[0], known[2]), None
     strategy = coordinator.strategy
-    entry = strategy.extended.variable_router.entry(variable)
-    if entry is None:
+    route = strategy.extended.variable_router.route(variable)
+    if route is None:
         raise InvalidArgumentError(
             "A variable used in a scheduled function must be created in strategy.scope() (it then "
             "lives on the parameter servers) or belong to a model, optimizer or metric. Received: "
             f"{variable.path!r}, a variable of the chief only."
         )
     spec = {
-        "strategy": strategy, "keys": entry.keys, "placement": entry.placement,
+        "strategy": strategy, "keys": route.keys, "placement": route.placement,
         "shape": tuple(variable.shape), "dtype": str(variable.dtype),
-        "trainable": bool(variable.trainable), "name": variable.name, "remote": entry.remote,
+        "trainable": bool(variable.trainable), "name": variable.name, "remote": route.remote,
     }
     return "variable", spec, None
 

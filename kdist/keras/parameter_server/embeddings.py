@@ -63,28 +63,28 @@ def mark_tables(model, router):
         if is_embedding and (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)):
             continue
         for variable in [weight for weight in layer.weights if weight.trainable]:
-            entry = router.entry(variable)
-            if entry is None:
+            route = router.route(variable)
+            if route is None:
                 continue
-            if (is_embedding and variable is layer.embeddings) or _is_partitioned_table(entry):
-                if not entry.row_sparse:
-                    marked.append(entry)
-                entry.row_sparse = True
-                entry.layer_name = layer.name
-        if is_embedding and router.entry(layer.embeddings) is not None:
+            if (is_embedding and variable is layer.embeddings) or _is_partitioned_table(route):
+                if not route.row_sparse:
+                    marked.append(route)
+                route.row_sparse = True
+                route.layer_name = layer.name
+        if is_embedding and router.route(layer.embeddings) is not None:
             _check_embedding_inputs(layer)
     return marked
 
 
 def mark_variable(variable, router):
     """Makes one remote variable row-read when it is a row-partitioned trainable table."""
-    entry = router.entry(variable)
-    if entry is not None and _is_partitioned_table(entry):
-        entry.row_sparse = True
+    route = router.route(variable)
+    if route is not None and _is_partitioned_table(route):
+        route.row_sparse = True
 
 
-def _is_partitioned_table(entry):
-    return entry.trainable and entry.placement.is_partitioned and len(entry.placement.shape) >= 2
+def _is_partitioned_table(route):
+    return route.trainable and route.placement.is_partitioned and len(route.placement.shape) >= 2
 
 
 def _check_embedding_inputs(layer):
@@ -123,9 +123,9 @@ def _check_range(ids, num_rows, who):
 
 
 @contextlib.contextmanager
-def row_lookups(router, entries=None):
+def row_lookups(router, routes=None):
     """While active (in this thread), lookups of row-read tables go to the servers (see module doc)."""
-    tables = [entry for entry in (router.all_entries() if entries is None else entries) if entry.row_sparse]
+    tables = [route for route in (router.all_routes() if routes is None else routes) if route.row_sparse]
     if not tables or getattr(_local, "active", False):  # none to read, or an outer block reads them
         yield
         return
@@ -142,13 +142,13 @@ class _LookupMode(TorchFunctionMode):
         super().__init__()
         self._router = router
         self._tables = tables
-        self._aliases = {}  # id(tensor) -> (tensor, entry): a table moved or detached this step
+        self._aliases = {}  # id(tensor) -> (tensor, route): a table moved or detached this step
         # Outside a stateless scope a table's tensor is the variable's own, whose
         # identity lasts (pulls and `RemoteTable.materialise` work in place):
         # one dict lookup per argument instead of a scan of every table. Inside
         # one (the replica engine) each replica maps its own tensors: scan.
-        self._stored = {id(tensor): (tensor, entry) for entry in tables
-                        if (tensor := _compat.torch_tensor_of(entry.variable)) is not None}
+        self._stored = {id(tensor): (tensor, route) for route in tables
+                        if (tensor := _compat.torch_tensor_of(route.variable)) is not None}
 
     def _table(self, value, stateless):
         if not isinstance(value, torch.Tensor):
@@ -159,9 +159,9 @@ class _LookupMode(TorchFunctionMode):
         if not stateless:
             stored = self._stored.get(id(value))
             return stored[1] if stored is not None and stored[0] is value and stored[1].row_sparse else None
-        for entry in self._tables:
-            if entry.row_sparse and _current_tensor(entry.variable) is value:
-                return entry
+        for route in self._tables:
+            if route.row_sparse and _current_tensor(route.variable) is value:
+                return route
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -171,44 +171,44 @@ class _LookupMode(TorchFunctionMode):
         stateless = _compat.in_stateless_scope()
         if func is torch.nn.functional.embedding:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            entry = self._table(weight, stateless)
-            if entry is not None:
+            route = self._table(weight, stateless)
+            if route is not None:
                 indices = args[0] if args else kwargs["input"]
-                return self._lookup(entry, weight, indices)
+                return self._lookup(route, weight, indices)
         elif func is torch.index_select or func is torch.Tensor.index_select:
-            entry = self._table(args[0], stateless)
+            route = self._table(args[0], stateless)
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if entry is not None and dim == 0:
-                return self._lookup(entry, args[0], args[2] if len(args) > 2 else kwargs["index"])
+            if route is not None and dim == 0:
+                return self._lookup(route, args[0], args[2] if len(args) > 2 else kwargs["index"])
         name = getattr(func, "__name__", "")
         if name not in _METADATA:
             arguments = remote_tables.flat_arguments(args, kwargs)
-            used = [entry for value in arguments if (entry := self._table(value, stateless)) is not None]
+            used = [route for value in arguments if (route := self._table(value, stateless)) is not None]
             if used:
                 if name in _ALIASES:
                     result = func(*args, **kwargs)
                     self._aliases[id(result)] = (result, used[0])
                     return result
-                for entry in used:  # read densely: whole, now, and as an ordinary variable from now on
-                    table = remote_tables.of(entry.variable)
+                for route in used:  # read densely: whole, now, and as an ordinary variable from now on
+                    table = remote_tables.of(route.variable)
                     if table is not None:  # held by the servers only: from now on also here
                         table.materialise(torch.empty(table.shape, dtype=table.dtype))
-                    self._router.pull([entry], include_row_sparse=True, only_changed=table is None)
-                    entry.row_sparse = False
+                    self._router.pull([route], include_row_sparse=True, only_changed=table is None)
+                    route.row_sparse = False
         return func(*args, **kwargs)
 
-    def _lookup(self, entry, weight, indices):
-        num_rows = entry.placement.shape[0]
+    def _lookup(self, route, weight, indices):
+        num_rows = route.placement.shape[0]
         flat = indices.reshape(-1).to(torch.int64)
         if flat.numel():
-            _check_range(flat, num_rows, _who(entry))
+            _check_range(flat, num_rows, _who(route))
         unique, inverse = torch.unique(flat, return_inverse=True)
-        rows, versions = self._router.lookup(entry, unique)
+        rows, versions = self._router.lookup(route, unique)
         rows = rows.to(device=weight.device, dtype=weight.dtype)
-        if torch.is_grad_enabled() and entry.trainable:
+        if torch.is_grad_enabled() and route.trainable:
             rows.requires_grad_(True)
             rows.register_hook(_sparse_gradient_into(weight, unique))
-            known = entry.lookup_versions
+            known = route.lookup_versions
             for position, version in versions.items():
                 known[position] = min(version, known.get(position, version))
         return rows[inverse].reshape(tuple(indices.shape) + tuple(rows.shape[1:]))
@@ -219,9 +219,9 @@ def _current_tensor(variable):
     return variable.value if _compat.in_stateless_scope() else _compat.torch_tensor_of(variable)
 
 
-def _who(entry):
-    layer = getattr(entry, "layer_name", None) or entry.variable.path.rsplit("/", 1)[0]
-    return f"Layer {layer!r} (reading table {entry.variable.path!r})"
+def _who(route):
+    layer = getattr(route, "layer_name", None) or route.variable.path.rsplit("/", 1)[0]
+    return f"Layer {layer!r} (reading table {route.variable.path!r})"
 
 
 def _sparse_gradient_into(weight, ids):

@@ -47,16 +47,16 @@ def sending_loaded_state(session, optimizer):
 
 def send_state(session, optimizer):
     """Makes the servers' optimizer state of the model's trainable variables the local one."""
-    entries = [entry for entry in session.entries() if entry.trainable]
-    if not entries:
+    routes = [route for route in session.routes() if route.trainable]
+    if not routes:
         return
-    session.configure(optimizer, entries)
+    session.configure(optimizer, routes)
     names, slots = optimizer._kdist_ps_slot_names, optimizer._kdist_ps_slots
     iterations = int(keras.ops.convert_to_numpy(optimizer.iterations.value))
     states = []
-    for entry in entries:
-        key = id(entry.variable)
+    for route in routes:
+        key = id(route.variable)
         states.append((iterations, {
             name: keras.ops.convert_to_numpy(slots[(key, name)].value) for name in names.get(key, ())
         }))
-    session.router.load_optimizer_state(entries, states)
+    session.router.load_optimizer_state(routes, states)

@@ -36,7 +36,7 @@ import torch
 
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat
-from kdist.ps.server.server_init import initializer_config
+from kdist.ps.wire.conventions import initializer_config
 from kdist.rpc import dtypes
 
 _local = threading.local()  # .slot_reference: the variable whose optimizer slot is being created
@@ -155,11 +155,11 @@ def placeholder_for(variable, initializer, strategy):
     config = initializer_config(initializer)
     if config is None:
         return None
-    entry = extended.create_remote_table(variable, shape, config)
-    if entry is None:  # variables created now stay local (`local_variable_creation`)
+    route = extended.create_remote_table(variable, shape, config)
+    if route is None:  # variables created now stay local (`local_variable_creation`)
         return None
     table = RemoteTable.create(variable, shape, dtype, variable.trainable)
-    bind(table, entry, extended.variable_router)
+    bind(table, route, extended.variable_router)
     return table
 
 
@@ -173,10 +173,10 @@ def table_key(path):
     return "/".join(path.split("/")[-2:])
 
 
-def bind(table, entry, router):
+def bind(table, route, router):
     """Connects a stand-in to its `Route` (a coordinator's worker binds it when adopting the chief's keys)."""
-    table.route, table.router = entry, router
-    entry.remote = entry.row_sparse = True
+    table.route, table.router = route, router
+    route.remote = route.row_sparse = True
 
 
 def of(variable):

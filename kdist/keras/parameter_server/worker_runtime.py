@@ -73,10 +73,10 @@ class KerasWorkerRuntime(WorkerRuntime):
                 "weights. Give custom layers a get_config() that rebuilds them."
             )
         router = strategy.extended.variable_router
-        entry = router.adopt(variable, placement, keys)
+        route = router.adopt(variable, placement, keys)
         table = remote_tables.of(variable)
         if table is not None:
-            remote_tables.bind(table, entry, router)
+            remote_tables.bind(table, route, router)
 
     def _build_model(self, spec):
         strategy = spec["strategy"]
@@ -156,10 +156,10 @@ class KerasWorkerRuntime(WorkerRuntime):
             return function(*args, **kwargs)
         store = self.strategy.extended.variable_router
         with self.strategy.scope(), store.idempotent_updates(closure_id):
-            entries = store.entries(_variables_of(resources))
+            routes = store.routes(_variables_of(resources))
             if not getattr(function, "kdist_reads_variables_itself", False):
-                store.pull(entries)  # tables read by rows are looked up as the closure runs
-            with ps_embeddings.row_lookups(store, entries):
+                store.pull(routes)  # tables read by rows are looked up as the closure runs
+            with ps_embeddings.row_lookups(store, routes):
                 return function(*args, **kwargs)
 
     def metric_state(self, metric):

@@ -37,7 +37,7 @@ from kdist.keras import _compat, adapters, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.parameter_server import optimizer_restore, remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
-from kdist.ps.server.optimizer_host import slot_name
+from kdist.ps.wire.conventions import slot_name
 
 _local = threading.local()
 
@@ -83,29 +83,29 @@ class PSSession:
         self._configured = set()
 
     # ----- reads ----------------------------------------------------------------
-    def entries(self):
-        """Remote entries of the model's weights (none for an optimizer used without a model)."""
-        return [] if self.model is None else self.router.entries(self.model.weights)
+    def routes(self):
+        """Remote routes of the model's weights (none for an optimizer used without a model)."""
+        return [] if self.model is None else self.router.routes(self.model.weights)
 
     def pull(self, include_row_sparse=False):
         """Reads what changed on the servers since the last read (one request per server)."""
-        self.router.pull(self.entries(), include_row_sparse=include_row_sparse)
+        self.router.pull(self.routes(), include_row_sparse=include_row_sparse)
 
     # ----- optimizer --------------------------------------------------------------
-    def configure(self, optimizer, entries):
-        missing = [entry for entry in entries if entry.trainable and id(entry) not in self._configured]
+    def configure(self, optimizer, routes):
+        missing = [route for route in routes if route.trainable and id(route) not in self._configured]
         if not missing or optimizer is None:
             return
         self.router.configure_optimizer(server_optimizer_config(optimizer), missing)
-        self._configured.update(id(entry) for entry in missing)
+        self._configured.update(id(route) for route in missing)
 
     def check_supported(self):
-        for entry in self.entries():
-            if entry.trainable and getattr(entry.variable, "constraint", None) is not None:
+        for route in self.routes():
+            if route.trainable and getattr(route.variable, "constraint", None) is not None:
                 raise UnsupportedError(
                     "Variables with a constraint cannot live on parameter servers: the servers "
                     f"apply updates and do not know the constraint. Received: variable "
-                    f"{entry.variable.path!r} with constraint {entry.variable.constraint!r}. "
+                    f"{route.variable.path!r} with constraint {route.variable.constraint!r}. "
                     "Drop the constraint or train this model with MirroredStrategy."
                 )
 
@@ -113,16 +113,16 @@ class PSSession:
         """Turns `optimizer.apply(gradients, variables)` into a server update (see module doc)."""
         tensors, targets, local = [], [], []
         for gradient, variable in zip(gradients, variables):
-            entry = self.router.entry(variable)
-            if entry is None:
+            route = self.router.route(variable)
+            if route is None:
                 local.append((gradient, variable))
             elif gradient is not None and gradient.is_sparse:
                 # Rows looked up by this step (by all its replicas): duplicate ids summed.
                 ids, values = ps_embeddings.rows_of(gradient)
-                versions, entry.lookup_versions = entry.lookup_versions, {}
+                versions, route.lookup_versions = route.lookup_versions, {}
                 tensors.append(values)
-                targets.append((entry, ids, versions))
-            elif entry.row_sparse and gradient is not None:
+                targets.append((route, ids, versions))
+            elif route.row_sparse and gradient is not None:
                 raise UnsupportedError(
                     "A table that is read by row lookups received a full gradient, read outside a "
                     f"step that kdist runs. Received: variable {variable.path!r}. Read it inside "
@@ -130,7 +130,7 @@ class PSSession:
                 )
             elif gradient is not None:
                 tensors.append(gradient)
-                targets.append((entry, None, None))
+                targets.append((route, None, None))
         if local:
             raise UnsupportedError(
                 "Under ParameterServerStrategy every trainable variable must be created in "
@@ -141,24 +141,24 @@ class PSSession:
         if scale is not None:
             tensors = [tensor / scale for tensor in tensors]
         tensors = _compat.clip_gradients(optimizer, tensors)
-        dense = [(entry, tensor) for tensor, (entry, ids, _) in zip(tensors, targets) if ids is None]
-        rows = [(entry, ids, tensor, versions) for tensor, (entry, ids, versions) in zip(tensors, targets) if ids is not None]
-        self.configure(optimizer, [entry for entry, _ in dense] + [entry for entry, *_ in rows])
+        dense = [(route, tensor) for tensor, (route, ids, _) in zip(tensors, targets) if ids is None]
+        rows = [(route, ids, tensor, versions) for tensor, (route, ids, versions) in zip(tensors, targets) if ids is not None]
+        self.configure(optimizer, [route for route, _ in dense] + [route for route, *_ in rows])
         return dense, rows
 
-    def send_updates(self, dense, rows, state_entries=()):
-        """Sends a step's update, plus those of `state_entries` (non-trainable) that the step changed."""
-        assign = [entry for entry in state_entries if not entry.trainable and self.router.changed(entry)]
+    def send_updates(self, dense, rows, state_routes=()):
+        """Sends a step's update, plus those of `state_routes` (non-trainable) that the step changed."""
+        assign = [route for route in state_routes if not route.trainable and self.router.changed(route)]
         if dense or rows or assign:
             self.router.send_gradients(dense, rows, assign)
 
     # ----- save -------------------------------------------------------------------
     def read_back(self):
         """Makes the local model and optimizer hold the parameter servers' current state."""
-        entries = self.entries()
-        self.router.pull(entries, include_row_sparse=True, only_changed=False)
+        routes = self.routes()
+        self.router.pull(routes, include_row_sparse=True, only_changed=False)
         optimizer = self.model.optimizer
-        trainable = [entry for entry in entries if entry.trainable]
+        trainable = [route for route in routes if route.trainable]
         if optimizer is None or not trainable:
             return
         # Idempotent on the servers; a chief that never trained has not sent it yet.
@@ -167,14 +167,14 @@ class PSSession:
             optimizer.build(self.model.trainable_variables)
         states = self.router.optimizer_state(trainable)
         iterations = 0
-        for entry, (entry_iterations, slots) in zip(trainable, states):
-            iterations = max(iterations, entry_iterations)
+        for route, (route_iterations, slots) in zip(trainable, states):
+            iterations = max(iterations, route_iterations)
             for server_slot, value in slots.items():
-                slot = getattr(optimizer, "_kdist_ps_slots", {}).get((id(entry.variable), server_slot))
+                slot = getattr(optimizer, "_kdist_ps_slots", {}).get((id(route.variable), server_slot))
                 if slot is None:
                     raise UnsupportedError(
                         f"Cannot map the server's optimizer slot {server_slot!r} of "
-                        f"{entry.variable.path!r} to the local optimizer. The optimizer must be "
+                        f"{route.variable.path!r} to the local optimizer. The optimizer must be "
                         "built after the model is compiled in strategy.scope() (Keras does this "
                         "in fit), and its slots must be made with add_variable_from_reference."
                     )
@@ -232,7 +232,7 @@ def _wrap_optimizer(optimizer, session):
         with remote_tables.slot_of(reference_variable):  # a table the servers hold: so are its slots
             slot = original_add(reference_variable, *args, **kwargs)
         name = kwargs.get("name", args[0] if args else None)
-        # Named as the servers name it (`kdist.ps.server.optimizer_host.slot_name`):
+        # Named as the servers name it (`kdist.ps.wire.conventions.slot_name`):
         # unique per (variable, slot), so two slots of one short name both map.
         taken = optimizer._kdist_ps_slot_names.setdefault(id(reference_variable), [])
         taken.append(slot_name(name, taken))
@@ -266,7 +266,7 @@ def push_update(optimizer, gradients, variables):
         return
     session.send_updates(dense, rows)
     # Tables read by rows stay on the servers: the next lookup reads the new rows.
-    session.router.pull([entry for entry, _ in dense] + [entry for entry, *_ in rows if not entry.row_sparse])
+    session.router.pull([route for route, _ in dense] + [route for route, *_ in rows if not route.row_sparse])
 
 
 def _wrap_make_function(model, kind, session):
@@ -301,17 +301,17 @@ def _wrap_make_function(model, kind, session):
 def _train_wrapper(function, session):
     def train_function(data):
         # Once per step: which variables are remote (used by the pull and the push).
-        entries = session.entries()
+        routes = session.routes()
         if not faults.ACTIVE.skip_pull:
-            session.router.pull(entries)
+            session.router.pull(routes)
         step = _Step()
         _local.step = step
         try:
-            with ps_embeddings.row_lookups(session.router, entries):
+            with ps_embeddings.row_lookups(session.router, routes):
                 logs = function(data)
         finally:
             _local.step = None
-        session.send_updates(step.dense, step.row_updates, state_entries=entries)
+        session.send_updates(step.dense, step.row_updates, state_routes=routes)
         return logs
 
     return train_function
@@ -321,7 +321,7 @@ def _read_wrapper(function, session):
     def read_function(data):
         # Other workers keep training while this one evaluates: read what changed.
         session.pull()
-        with ps_embeddings.row_lookups(session.router, session.entries()):
+        with ps_embeddings.row_lookups(session.router, session.routes()):
             return function(data)
 
     return read_function
@@ -364,7 +364,7 @@ def local_call(method, model, name, args, kwargs):
             optimizer.build(model.trainable_variables)
         with optimizer_restore.sending_loaded_state(session, optimizer):
             result = method(model, *args, **kwargs)
-            session.router.assign(session.entries())
+            session.router.assign(session.routes())
         return result
     if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
         ps_embeddings.mark_tables(model, session.router)

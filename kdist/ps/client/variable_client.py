@@ -19,7 +19,7 @@ from kdist.ps.client.payload import (
     variables_layout,
 )
 from kdist.ps.options import ServiceOptions
-from kdist.ps.server.optimizer_host import canonical_config
+from kdist.ps.wire.conventions import canonical_config
 from kdist.ps.wire.methods import METHODS
 from kdist.rpc.security import Security
 from kdist.ps.wire.values import (

@@ -24,49 +24,10 @@ import json
 import keras
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps.server.row_updates import CONFIG_KEY, RowUpdates, check_sparse_updates, sparse_refusal
+from kdist.ps.server.row_updates import RowUpdates, sparse_refusal
+from kdist.ps.wire.conventions import CONFIG_KEY, slot_name
 from kdist.rpc import dtypes
 from kdist.validation import is_integer
-
-
-def canonical_config(config):
-    """Returns the optimizer config as canonical JSON (sorted keys) for comparisons.
-
-    The optimizer's `name` is dropped: Keras numbers default names ("sgd_3"),
-    so two workers' identical optimizers differ only there, and the name does
-    not change an update.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: `config` is not a JSON-able dict.
-    """
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except (ValueError, RecursionError) as error:
-            raise InvalidArgumentError(
-                f"The optimizer config is not valid JSON: {error}. Expected the JSON of "
-                "keras.optimizers.serialize(optimizer)."
-            ) from None
-    if not isinstance(config, dict):
-        raise InvalidArgumentError(
-            "The optimizer config must be the dict keras.optimizers.serialize(optimizer) "
-            f"returns. Received: {type(config).__name__}."
-        )
-    if isinstance(config.get("config"), dict):
-        config = {**config, "config": {key: value for key, value in config["config"].items()
-                                       if key != "name"}}
-    if CONFIG_KEY in config:
-        check_sparse_updates(config[CONFIG_KEY], f"The optimizer config's {CONFIG_KEY!r}")
-        if config[CONFIG_KEY] == "exact":  # the default: one canonical form
-            config = {key: value for key, value in config.items() if key != CONFIG_KEY}
-    try:
-        return json.dumps(config, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as error:
-        raise InvalidArgumentError(
-            f"The optimizer config is not JSON-able: {error}. Pass "
-            "keras.optimizers.serialize(optimizer) of an optimizer whose learning rate "
-            "schedule and arguments serialize."
-        ) from None
 
 
 def deserialize_optimizer(config_json):
@@ -218,33 +179,6 @@ class VariableOptimizer:
                     f"Slot {name!r} must have shape {expected[0]} and dtype {expected[1]}. "
                     f"Received: shape={value.shape}, dtype={value.dtype}."
                 )
-
-
-def slot_name(name, taken):
-    """The name a slot of one variable is known by, on the servers and on the workers.
-
-    Args:
-        name: the short name Keras was given (`add_variable_from_reference`'s
-            `name`: "momentum", "velocity"; None is Keras' "var").
-        taken: the names already given to the same variable's slots, in
-            creation order.
-
-    Returns:
-        `name`, or `name_1`, `name_2`, ... when the variable already has a slot
-        of that name: unique per (variable, slot).
-
-    Example:
-
-    >>> slot_name("accumulator", ["accumulator"])
-    'accumulator_1'
-    >>> slot_name(None, [])
-    'var'
-    """
-    name = name or "var"
-    candidate, suffix = name, 1
-    while candidate in taken:
-        candidate, suffix = f"{name}_{suffix}", suffix + 1
-    return candidate
 
 
 def config_differences(old_json, new_json):

@@ -41,7 +41,8 @@ from pathlib import Path
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError
 from kdist.ps.server import checkpoint, reshard_source
-from kdist.ps.server.optimizer_host import canonical_config, config_differences
+from kdist.ps.server.optimizer_host import config_differences
+from kdist.ps.wire.conventions import canonical_config
 from kdist.rpc import dtypes
 from kdist.ps.server.reshard_source import (  # noqa: F401  (CheckpointLayoutError: part of this module's API)
     CHECKPOINT_NAME,

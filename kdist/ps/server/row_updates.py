@@ -30,29 +30,9 @@ from kdist import faults
 from kdist.errors import InvalidArgumentError
 from kdist.rpc import dtypes
 
-SPARSE_UPDATES = ("exact", "lazy")
-# Top-level key of the optimizer config the router sends (next to "class_name");
-# absent means "exact", so configs of the default mode stay unchanged.
-CONFIG_KEY = "sparse_updates"
-
 # Keras optimizer classes whose update is elementwise per row, given their slots
 # are shaped like the variable: the lazy mode may run them on gathered rows.
 _ROW_LOCAL_CLASSES = ("SGD", "Adagrad", "Adam", "AdamW", "RMSprop")
-
-
-def check_sparse_updates(value, argument="sparse_updates"):
-    """Returns `value` if it is one of `SPARSE_UPDATES`.
-
-    Raises:
-        kdist.errors.InvalidArgumentError: naming `argument`, the value and the choices.
-    """
-    if not isinstance(value, str) or value not in SPARSE_UPDATES:
-        raise InvalidArgumentError(
-            f"{argument} must be one of {list(SPARSE_UPDATES)}. Received: {argument}={value!r}. "
-            "Use 'exact' (the default: the same numbers as one device) or 'lazy' (touched "
-            "rows only, TensorFlow Addons' LazyAdam semantics)."
-        )
-    return value
 
 
 def check_row_ids(entry, ids, what):

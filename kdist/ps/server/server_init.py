@@ -28,30 +28,6 @@ from kdist.rpc import dtypes
 _SHAPE_FREE = frozenset({"Zeros", "Ones", "Constant"})
 
 
-def initializer_config(initializer):
-    """The JSON a server needs to recompute `initializer`'s value, or None when it cannot.
-
-    None for anything but a built-in Keras initializer, and for one seeded
-    with a `keras.random.SeedGenerator` (its draws depend on the creating
-    process's generator state).
-    """
-    if not isinstance(initializer, keras.initializers.Initializer):
-        return None
-    config = keras.initializers.serialize(initializer)
-    if not isinstance(config, dict) or config.get("module") != "keras.initializers" or config.get("registered_name"):
-        return None
-    seed = getattr(initializer, "seed", None)
-    if isinstance(seed, keras.random.SeedGenerator):
-        return None
-    if "seed" in config.get("config", {}):
-        # The seed Keras drew when the initializer was built, not the None in its config.
-        config["config"]["seed"] = seed
-    try:
-        return json.dumps(config)
-    except (TypeError, ValueError):
-        return None
-
-
 def initial_shard(config_json, full_shape, row_start, shard_shape, dtype):
     """The value of rows `[row_start, row_start + shard_shape[0])` of a table initialised by `config_json`.
 

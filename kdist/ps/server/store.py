@@ -26,7 +26,8 @@ import threading
 import numpy as np
 
 from kdist.errors import InvalidArgumentError
-from kdist.ps.server.optimizer_host import VariableOptimizer, canonical_config, config_differences
+from kdist.ps.server.optimizer_host import VariableOptimizer, config_differences
+from kdist.ps.wire.conventions import canonical_config
 from kdist.ps.server.row_updates import check_row_ids
 from kdist.ps.server.update_ids import AppliedUpdateIds, MAX_REMEMBERED_UPDATES
 from kdist.ps.server.variable_entry import VariableEntry, locked, make_variable

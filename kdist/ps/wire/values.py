@@ -82,7 +82,7 @@ class ServerInitializer:
     and the server never sends the value back.
 
     Attributes:
-        config_json: `kdist.ps.server.server_init.initializer_config(initializer)`.
+        config_json: `kdist.ps.wire.conventions.initializer_config(initializer)`.
         full_shape: the whole variable's shape.
         row_start: the shard's first row in the whole variable.
     """

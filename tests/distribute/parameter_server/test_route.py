@@ -34,7 +34,7 @@ def test_a_shard_is_fetched_from_its_server_by_server_key_not_by_name(cluster):
     with strategy.scope():
         table = keras.Variable(np.arange(8, dtype="float32").reshape(4, 2), name="table")
     router = strategy.extended.variable_router
-    view = ShardedVariable(router.entry(table).placement, router.reader(router.entry(table)))
+    view = ShardedVariable(router.route(table).placement, router.reader(router.route(table)))
     clients = cluster.clients()
     try:
         for position, shard in enumerate(view.variables):
@@ -67,19 +67,19 @@ def test_a_bfloat16_variable_stays_bfloat16_through_the_router(cluster):
     with strategy.scope():
         table = keras.Variable(start, dtype="bfloat16", name="half_table")
     router = strategy.extended.variable_router
-    [entry] = router.entries([table])
-    assert entry.placement.is_partitioned and entry.placement.dtype == "bfloat16"
-    router.configure_optimizer(keras.optimizers.serialize(keras.optimizers.SGD(1.0)), [entry])
+    [route] = router.routes([table])
+    assert route.placement.is_partitioned and route.placement.dtype == "bfloat16"
+    router.configure_optimizer(keras.optimizers.serialize(keras.optimizers.SGD(1.0)), [route])
     gradient = torch.full((3, 2), 0.5, dtype=torch.bfloat16)
-    router.send_gradients([(entry, gradient)])
-    router.send_gradients((), [(entry, torch.tensor([2]), torch.ones((1, 2), dtype=torch.bfloat16), {})])
-    router.pull([entry], only_changed=False)
+    router.send_gradients([(route, gradient)])
+    router.send_gradients((), [(route, torch.tensor([2]), torch.ones((1, 2), dtype=torch.bfloat16), {})])
+    router.pull([route], only_changed=False)
     expected = torch.tensor(start, dtype=torch.bfloat16) - 0.5
     expected[2] -= 1.0
     assert table.value.dtype == torch.bfloat16 and torch.equal(table.value, expected)
-    rows, versions = router.lookup(entry, torch.tensor([0, 2]))
+    rows, versions = router.lookup(route, torch.tensor([0, 2]))
     assert rows.dtype == torch.bfloat16 and torch.equal(rows, expected[[0, 2]])
     assert sorted(versions) == [0, 1]
-    values = router.read_shards(entry, [0, 1])
+    values = router.read_shards(route, [0, 1])
     assert [value.dtype for value in values] == [np.dtype(ml_dtypes.bfloat16)] * 2
     assert np.concatenate(values).tobytes() == expected.view(torch.int16).numpy().tobytes()

@@ -40,15 +40,15 @@ def test_three_async_workers_two_ps(tmp_path):
         model.save(path)
         stats = cluster.stats()
         clients = cluster.clients()
-        entries = strategy.extended.variable_router.entries(model.weights)
+        routes = strategy.extended.variable_router.routes(model.weights)
         server_values = []
-        for entry in entries:
-            (state,) = clients[entry.placement.shards[0].ps_index].pull([entry.keys[0]])
+        for route in routes:
+            (state,) = clients[route.placement.shards[0].ps_index].pull([route.keys[0]])
             server_values.append(state.value)
 
     for result in results:
         assert result["loss"][-1] < result["loss"][0], result
-    trainable_keys = {entry.keys[0] for entry in entries if entry.trainable}
+    trainable_keys = {route.keys[0] for route in routes if route.trainable}
     for server in stats:
         for key, variable_stats in server.variables.items():
             if key in trainable_keys:

@@ -94,7 +94,7 @@ def _server_weights(strategy, model):
 
 def _table_applies(strategy, model, stats):
     """`(sparse_applies, dense_applies)` of the model's table, summed over its shards."""
-    keys = strategy.extended.variable_router.entry(model.get_layer("table").weights[0]).keys
+    keys = strategy.extended.variable_router.route(model.get_layer("table").weights[0]).keys
     counts = [server.variables[key] for server in stats for key in keys if key in server.variables]
     assert len(counts) == len(keys) == 2, keys
     return sum(c.sparse_applies for c in counts), sum(c.dense_applies for c in counts)

@@ -313,7 +313,7 @@ def test_a_table_also_read_densely_is_read_whole_and_stays_exact():
             model = build_regularized()
         initial = model.get_weights()
         history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        assert not strategy.extended.variable_router.entry(model.get_layer("emb").embeddings).row_sparse
+        assert not strategy.extended.variable_router.route(model.get_layer("emb").embeddings).row_sparse
         plain = build_regularized()
         plain.set_weights(initial)
         plain_history = plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)

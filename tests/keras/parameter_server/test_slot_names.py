@@ -36,8 +36,8 @@ def test_two_same_named_slots_read_back_from_the_servers():
         x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
         model.fit(x, y, epochs=1, batch_size=4, verbose=0)
         session = worker_steps.session_of(model)
-        [entry] = session.router.entries([model.layers[0].kernel])
-        [(iterations, slots)] = session.router.optimizer_state([entry])
+        [route] = session.router.routes([model.layers[0].kernel])
+        [(iterations, slots)] = session.router.optimizer_state([route])
         assert list(slots) == ["accumulator", "accumulator_1"]
         optimizer = model.optimizer
         for variable in optimizer._sums + optimizer._squares:

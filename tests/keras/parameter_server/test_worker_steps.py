@@ -108,7 +108,7 @@ def test_custom_loop_apply_updates_the_servers_and_the_local_copy():
             optimizer = keras.optimizers.SGD(0.5)
         optimizer.apply([keras.ops.convert_to_tensor(np.full((3,), 2.0, "float32"))], [variable])
         np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), np.zeros(3))
-        key = strategy.extended.variable_router.entry(variable).keys[0]
+        key = strategy.extended.variable_router.route(variable).keys[0]
         (state,) = cluster.clients()[0].pull([key])
         np.testing.assert_allclose(state.value, np.zeros(3))
         assert state.version == 1
@@ -122,11 +122,11 @@ def test_evaluate_reads_what_other_workers_pushed():
         with strategy.scope():
             model = _models.mlp_l2()
         model.evaluate(x, y, verbose=0)
-        entry = strategy.extended.variable_router.entry(model.weights[0])
+        route = strategy.extended.variable_router.route(model.weights[0])
         client = cluster.clients()[0]
         from kdist.ps import Assignment
 
-        client.push([], [Assignment(entry.keys[0], np.zeros(tuple(model.weights[0].shape), "float32"))])
+        client.push([], [Assignment(route.keys[0], np.zeros(tuple(model.weights[0].shape), "float32"))])
         model.evaluate(x, y, verbose=0)
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(model.weights[0]), 0.0)
 
@@ -190,7 +190,7 @@ def test_load_weights_writes_the_loaded_values_to_the_servers(tmp_path):
         model.load_weights(path)
         client = cluster.clients()[0]
         for variable, expected in zip(model.weights, source.weights):
-            (state,) = client.pull([strategy.extended.variable_router.entry(variable).keys[0]])
+            (state,) = client.pull([strategy.extended.variable_router.route(variable).keys[0]])
             np.testing.assert_array_equal(state.value, keras.ops.convert_to_numpy(expected))
 
 
@@ -204,10 +204,10 @@ def test_model_checkpoint_on_the_chief_writes_the_servers_state(tmp_path):
         store = strategy.extended.variable_router
         server_values = []
         for variable in model.weights:
-            entry = store.entry(variable)
-            (state,) = store.clients[entry.placement.shards[0].ps_index].pull([entry.keys[0]])
+            route = store.route(variable)
+            (state,) = store.clients[route.placement.shards[0].ps_index].pull([route.keys[0]])
             server_values.append(state.value)
-        slots = store.optimizer_state(store.entries(model.trainable_weights))
+        slots = store.optimizer_state(store.routes(model.trainable_weights))
     loaded = keras.saving.load_model(path)
     for weight, value in zip(loaded.weights, server_values):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(weight), value)

@@ -148,7 +148,7 @@ def test_parameter_server_worker_with_two_devices_pushes_one_summed_update():
         assert cluster.stats()[0].requests.get("push", 0) - before == 1
         # (1 + 2) summed, times the learning rate 0.5.
         np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), np.full(3, -0.5))
-        key = strategy.extended.variable_router.entry(variable).keys[0]
+        key = strategy.extended.variable_router.route(variable).keys[0]
         (state,) = cluster.clients()[0].pull([key])
         np.testing.assert_allclose(state.value, np.full(3, -0.5))
         assert int(optimizer.iterations.numpy()) == 1

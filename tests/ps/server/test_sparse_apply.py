@@ -10,7 +10,7 @@ from kdist import faults
 from kdist.cluster import SimpleClusterResolver
 from kdist.errors import InvalidArgumentError
 from kdist.ps import RowGradient, Security, VariableInit, create_server
-from kdist.ps.server.row_updates import check_sparse_updates
+from kdist.ps.wire.conventions import check_sparse_updates
 from kdist.ps.server.store import GradientSpec, VariableStore
 from kdist.ps.wire import codec
 from kdist.ps.wire._generated import variable_service_pb2 as pb

@@ -8,7 +8,8 @@ import pytest
 
 from kdist.errors import InvalidArgumentError, ParameterServerError
 from kdist.ps import VariableInit
-from kdist.ps.server.server_init import initial_shard, initializer_config
+from kdist.ps.server.server_init import initial_shard
+from kdist.ps.wire.conventions import initializer_config
 from kdist.ps.wire.values import ServerInitializer
 
 SHAPE = (50, 6)
