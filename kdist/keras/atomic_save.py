@@ -75,28 +75,25 @@ def write_backup(callback, save_weights, extra_metadata=None):
     atomic_files.write_text(paths.metadata, json.dumps(metadata))
 
 
-def make_backups_atomic(method, model, name, args, kwargs):
-    """Makes each `BackupAndRestore` among a `fit` call's callbacks save through `write_backup`.
+def make_backups_atomic(callbacks):
+    """Makes each `BackupAndRestore` among a `fit` call's `callbacks` save through `write_backup`.
 
-    A no-op unless `name` is `"fit"` (`method` is then `keras.Model.fit`).
-
-    `model.save_weights` (the instance's: atomic under kdist's strategies)
-    writes the weights. A remote `backup_dir` keeps Keras' own writes.
+    `callbacks`: what the call passes (a list, one callback, a
+    `keras.callbacks.CallbackList`, or None). `model.save_weights` (the
+    instance's: atomic under kdist's strategies) writes the weights. A remote
+    `backup_dir` keeps Keras' own writes, and a backup that
+    `kdist.keras.chief_only.own_backup` already moved keeps its own save.
     Idempotent.
     """
-    if name != "fit":
-        return
-    try:
-        bound = inspect.signature(method).bind_partial(model, *args, **kwargs)
-    except TypeError:
-        return  # Keras reports the bad call itself
-    callbacks = bound.arguments.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     elif isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]
-    for callback in callbacks or ():
+    elif not isinstance(callbacks, (list, tuple)):
+        return  # None, or not callbacks: Keras reports the bad call itself
+    for callback in callbacks:
         if (isinstance(callback, keras.callbacks.BackupAndRestore) and not getattr(callback, "_kdist_atomic", False)
+                and getattr(callback, "_kdist_own_backup", None) is None
                 and not atomic_files.is_remote(str(callback.backup_dir))):
             _compat.patch_backup_save(callback, _atomic_save_model(callback))
             object.__setattr__(callback, "_kdist_atomic", True)

@@ -33,8 +33,9 @@ import os
 
 import keras
 
-from kdist.keras import _compat, atomic_save
 from kdist.atomic_files import is_remote
+from kdist.errors import InvalidArgumentError
+from kdist.keras import _compat, atomic_save
 
 SUMMARY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger)
 """Callbacks that only write logs or summaries: they run where `should_save_summary` is True."""
@@ -54,7 +55,7 @@ def task_callbacks(arguments, strategy, collective_saves, has_verbose=True, task
         has_verbose: whether the called method takes `verbose`.
         task: the task's name, e.g. `"worker-1"`: where a task that trains
             alone and is not the chief keeps its own `BackupAndRestore`
-            backup (`<backup_dir>/<task>`).
+            backup (`<backup_dir>/<task>`). Required unless `collective_saves`.
 
     Returns:
         The list of callbacks this task runs, also stored in
@@ -63,6 +64,11 @@ def task_callbacks(arguments, strategy, collective_saves, has_verbose=True, task
         `evaluate`: already adjusted) or something that is not a callback
         (Keras reports it), left unchanged.
     """
+    if not collective_saves and not (isinstance(task, str) and task):
+        raise InvalidArgumentError(
+            "task_callbacks needs the task's name where each task trains alone (collective_saves=False): "
+            f"its backups go to <backup_dir>/<task>. Received: task={task!r}. Expected e.g. 'worker-1'."
+        )
     extended = strategy.extended
     writes_summaries, writes_checkpoints = extended.should_save_summary, extended.should_checkpoint
     if not writes_summaries and has_verbose:

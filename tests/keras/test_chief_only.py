@@ -124,3 +124,17 @@ def test_negative_control_without_the_rule_worker_1_resumes_from_the_chiefs_back
         train(cluster, 1, [keras.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False), recorder],
               epochs=EPOCHS)
     assert recorder.epochs == list(range(1, EPOCHS))  # skipped the epoch the chief had done
+
+
+@pytest.mark.parametrize("task", [None, ""])
+def test_a_task_that_trains_alone_must_be_named(task):
+    from kdist.errors import InvalidArgumentError
+    from kdist.keras import chief_only
+
+    callbacks = [keras.callbacks.BackupAndRestore("unused")]
+    arguments = {"callbacks": callbacks}
+    with pytest.raises(InvalidArgumentError, match="task=") as error:
+        chief_only.task_callbacks(arguments, kdist.get_strategy(), collective_saves=False, task=task)
+    assert "worker-1" in str(error.value)
+    assert arguments == {"callbacks": callbacks}  # nothing changed
+    assert getattr(callbacks[0], "_kdist_own_backup", None) is None

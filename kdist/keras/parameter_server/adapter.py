@@ -47,9 +47,11 @@ class ParameterServerAdapter(ReplicaAdapter):
     def route_call(self, method, model, name, args, kwargs):
         session = worker_steps.session_of(model)
         strategy = session.strategy
-        atomic_save.make_backups_atomic(method, model, name, args, kwargs)
-        # After make_backups_atomic: a worker other than the chief moves its backups to its own directory.
-        args, kwargs = _task_callbacks(method, name, args, kwargs, strategy)
+        # One binding of the call: the chief-only rule first (a worker other than the
+        # chief moves its backups to its own directory), then atomic backups for the rest.
+        args, kwargs, callbacks = _task_callbacks(method, name, args, kwargs, strategy)
+        if name == "fit":
+            atomic_save.make_backups_atomic(callbacks)
         if name in ("fit", "evaluate") and strategy.extended.drives_workers:
             # The chief drives the workers; it trains nothing itself. During the call
             # its tables are row-read (the coordinator's joins skip them); they are
@@ -80,24 +82,25 @@ class ParameterServerAdapter(ReplicaAdapter):
 
 
 def _task_callbacks(method, name, args, kwargs, strategy):
-    """The `(args, kwargs)` of `fit`/`evaluate`/`predict` with `kdist.keras.chief_only`'s rule applied.
+    """`(args, kwargs, callbacks)` of `fit`/`evaluate`/`predict` with `kdist.keras.chief_only`'s rule applied.
 
     Each worker trains alone (no collective saves); the coordinator is the
-    chief, so its callbacks all run. Other calls, and calls Keras will
-    refuse, are returned unchanged.
+    chief, so its callbacks all run. `callbacks` is what the call then passes.
+    Other calls, and calls Keras will refuse, are returned unchanged (with
+    no callbacks).
     """
     if name not in ("fit", "evaluate", "predict"):
-        return args, kwargs
+        return args, kwargs, None
     try:
         signature = inspect.signature(method)
         bound = signature.bind(None, *args, **kwargs)
     except TypeError:
-        return args, kwargs  # Keras reports the bad call itself
+        return args, kwargs, None  # Keras reports the bad call itself
     resolver = strategy.cluster_resolver
     chief_only.task_callbacks(bound.arguments, strategy, collective_saves=False,
                               has_verbose="verbose" in signature.parameters,
                               task=f"{resolver.task_type}-{resolver.task_id}")
-    return bound.args[1:], bound.kwargs
+    return bound.args[1:], bound.kwargs, bound.arguments.get("callbacks")
 
 
 def install():
