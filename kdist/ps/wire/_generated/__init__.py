@@ -1,1 +1,1 @@
-"""Stubs generated from `kdist/ps/protos/variable_service.proto`; do not edit (`python -m kdist.ps.regenerate`)."""
+"""Stubs generated from `kdist/ps/wire/protos/variable_service.proto`; do not edit (`python -m kdist.rpc.regenerate`)."""
