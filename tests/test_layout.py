@@ -155,10 +155,14 @@ def test_layer_check_catches_an_upward_import():
     assert upward_imports([("kdist.ps.planted", "kdist/ps/planted.py", allowed)]) == []
 
 
-# Inside `kdist.ps`, each side imports the wire (and the shared `kdist.ps.options`), never the other side.
-PS_SIDES = {"kdist.ps.wire": {"kdist.ps.wire", "kdist.ps.options"},
-            "kdist.ps.client": {"kdist.ps.client", "kdist.ps.wire", "kdist.ps.options"},
-            "kdist.ps.server": {"kdist.ps.server", "kdist.ps.wire", "kdist.ps.options"}}
+# Inside `kdist.ps`, each side imports the wire and the shared configuration (`options`,
+# `autosave`), never the other side; the shared modules import neither side.
+_PS_SHARED = {"kdist.ps.wire", "kdist.ps.options", "kdist.ps.autosave"}
+PS_SIDES = {"kdist.ps.wire": _PS_SHARED,
+            "kdist.ps.options": _PS_SHARED,
+            "kdist.ps.autosave": _PS_SHARED,
+            "kdist.ps.client": _PS_SHARED | {"kdist.ps.client"},
+            "kdist.ps.server": _PS_SHARED | {"kdist.ps.server"}}
 
 
 def crossed_sides(sources):
@@ -181,10 +185,12 @@ def test_ps_sides_share_only_the_wire():
     planted = [
         ("kdist.ps.client.planted", "kdist/ps/client/planted.py", "from kdist.ps.server import store\n"),
         ("kdist.ps.wire.planted", "kdist/ps/wire/planted.py", "from kdist.ps.client import retry\n"),
+        ("kdist.ps.options", "kdist/ps/options.py", "def f():\n    from kdist.ps.server import store\n"),
     ]
     assert crossed_sides(planted) == [
         "kdist/ps/client/planted.py:1 imports kdist.ps.server (kdist.ps.client must not read kdist.ps.server)",
         "kdist/ps/wire/planted.py:1 imports kdist.ps.client (kdist.ps.wire must not read kdist.ps.client)",
+        "kdist/ps/options.py:2 imports kdist.ps.server (kdist.ps.options must not read kdist.ps.server)",
     ]
 
 

@@ -16,23 +16,31 @@ from kdist.types import ReduceOp
 
 
 def copy_to_device(tensors, device):
-    """Returns copies of `tensors` on `device`, one transfer per dtype.
+    """Returns copies of `tensors` on `device`, one transfer per source device and dtype.
 
-    Tensors already on `device` are returned as they are (no copy).
+    Tensors already on `device` are returned as they are (no copy). Sparse
+    tensors travel one by one (they cannot be flattened into a shared buffer).
+    Copies to a GPU are asynchronous; copies to the host are not, so the
+    result can be read at once.
     """
     device = torch.device(device)
+    non_blocking = device.type != "cpu"
     result = list(tensors)
     groups = {}
     for position, tensor in enumerate(result):
-        if tensor.device != device:
-            groups.setdefault(tensor.dtype, []).append(position)
+        if tensor.device == device:
+            continue
+        if tensor.layout != torch.strided:
+            result[position] = tensor.to(device, non_blocking=non_blocking)
+            continue
+        groups.setdefault((tensor.device, tensor.dtype), []).append(position)
     for positions in groups.values():
         if len(positions) == 1:
             position = positions[0]
-            result[position] = result[position].to(device, non_blocking=True)
+            result[position] = result[position].to(device, non_blocking=non_blocking)
             continue
         flat = torch.cat([result[p].reshape(-1) for p in positions])
-        moved = flat.to(device, non_blocking=True)
+        moved = flat.to(device, non_blocking=non_blocking)
         offset = 0
         for p in positions:
             count = result[p].numel()

@@ -80,7 +80,7 @@ class Server:
             `max_staleness`, checkpoints, ...); None for the defaults. A `"ps"`
             task whose options set no `checkpoint_dir` takes `kdist launch`'s
             (`KDIST_PS_CHECKPOINT_EVERY` and `KDIST_PS_CHECKPOINT_DIR`,
-            `kdist.ps.server.autosave`): it restores the checkpoint found there
+            `kdist.ps.autosave`): it restores the checkpoint found there
             before serving, and checkpoints itself there.
         security: a `kdist.ps.Security` (the cluster secret, TLS files); None
             for the default: the cluster secret from the environment (else this
@@ -233,7 +233,7 @@ class Server:
                     )
                 else:
                     from kdist.ps import ServiceOptions, create_server
-                    from kdist.ps.server import autosave
+                    from kdist.ps import autosave
 
                     # Checkpoint settings: the program's options, else `kdist launch`'s.
                     options = autosave.with_environment(self._options or ServiceOptions())

@@ -42,6 +42,8 @@ from kdist.distribute import context
 
 _registry = {}
 _thread = threading.local()
+# The strategy whose adapter owns an optimizer (set by `attach_optimizer`).
+_OWNER = "_kdist_optimizer_owner"
 _optimizer_step_installed = False
 
 
@@ -90,7 +92,7 @@ class KerasAdapter:
 
 def adapter_of(optimizer):
     """The adapter that owns `optimizer`: its attached strategy's, else the current strategy's."""
-    strategy = getattr(optimizer, "_kdist_strategy", None)
+    strategy = getattr(optimizer, _OWNER, None)
     return adapter_for(strategy if strategy is not None else context.get_strategy())
 
 
@@ -111,7 +113,10 @@ def _unrouted():
 
 
 def _intercepted(optimizer, original, grads, trainable_variables=None):
-    if getattr(_thread, "unrouted", False):
+    # Owned by no strategy and called outside any: Keras' own `apply`, with no
+    # lookup (a parameter server applies every push this way).
+    if getattr(_thread, "unrouted", False) or (
+            getattr(optimizer, _OWNER, None) is None and not context.has_strategy()):
         return original(grads, trainable_variables)
     return adapter_of(optimizer).optimizer_step(optimizer, grads, trainable_variables)
 
@@ -123,7 +128,7 @@ def attach_optimizer(optimizer, strategy):
     """
     if optimizer is None:
         return
-    object.__setattr__(optimizer, "_kdist_strategy", strategy)
+    object.__setattr__(optimizer, _OWNER, strategy)
     if getattr(optimizer, "_kdist_routed_instance", False):
         return
     original = optimizer.apply

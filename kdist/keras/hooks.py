@@ -46,7 +46,9 @@ def install():
     global _installed
     if _installed:
         return
-    # Each strategy's Keras adapter (the most specific registration wins).
+    # Each strategy's Keras adapter (the most specific registration wins), and
+    # every optimizer's `apply` going to its owning adapter's `optimizer_step`.
+    adapters.install_optimizer_step()
     replica_adapter.install()
     parameter_server_adapter.install()
     # BatchNormalization(synchronized=True) inside a kdist scope (torch only).

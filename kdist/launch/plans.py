@@ -15,7 +15,7 @@ the job's state, so processes come back one at a time on their old ports: the
 trainer (the chief, or each worker without one) under `--max-restarts`, a
 coordinator's workers under `--max-worker-restarts`, and each ps under
 `--max-ps-restarts` (it restores the checkpoint it takes every
-`--ps-checkpoint-every`, `kdist.ps.server.autosave`).
+`--ps-checkpoint-every`, `kdist.ps.autosave`).
 
 Every check happens here, before anything starts; a mistake raises `UsageError`
 naming the command-line argument.
@@ -30,7 +30,7 @@ from kdist.launch import cluster_file, task_env
 from kdist.launch.ports import free_ports
 from kdist.launch.restarts import JobRestart
 from kdist.launch.spec import ProcessSpec, RestartPolicy
-from kdist.ps.server import autosave
+from kdist.ps import autosave
 
 LOCAL_HOST = "127.0.0.1"
 # Jobs that serve until stopped in a local cluster (`--workers` mode).
@@ -45,7 +45,7 @@ COORDINATOR_DAEMON_JOBS = ("ps", "worker")
 DEFAULT_MAX_WORKER_RESTARTS = 3
 FIRST_RESTART_DELAY_SECONDS = 1.0
 # A parameter server that dies is started again on its port and restores its
-# last checkpoint (`kdist.ps.server.autosave`); by default it checkpoints every minute.
+# last checkpoint (`kdist.ps.autosave`); by default it checkpoints every minute.
 DEFAULT_MAX_PS_RESTARTS = 3
 DEFAULT_PS_CHECKPOINT_EVERY = "60s"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"

@@ -98,10 +98,10 @@ class ServiceOptions:
             is not held up.
         checkpoint_dir: server side: this server's own directory; with
             `checkpoint_every` it checkpoints itself there, and restores the
-            checkpoint it finds there before serving (`kdist.ps.server.autosave`).
+            checkpoint it finds there before serving (`kdist.ps.autosave`).
             None: no automatic checkpoints (`kdist.distribute.Server` then
             reads `kdist launch`'s variables).
-        checkpoint_every: server side: a `kdist.ps.server.autosave.CheckpointEvery`
+        checkpoint_every: server side: a `kdist.ps.autosave.CheckpointEvery`
             or its text: `"N"` (every N applied pushes, saved before the
             N-th push is answered) or `"Ns"` (every N seconds). Needs
             `checkpoint_dir`.
@@ -212,7 +212,7 @@ def _check_seconds(options, name, allow_zero=False):
 
 def _check_checkpointing(options):
     # Imported here: autosave imports nothing of the service, options stays light.
-    from kdist.ps.server.autosave import CheckpointEvery, parse_every
+    from kdist.ps.autosave import CheckpointEvery, parse_every
 
     every, directory = options.checkpoint_every, options.checkpoint_dir
     if every is not None and not isinstance(every, CheckpointEvery):

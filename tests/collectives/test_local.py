@@ -41,6 +41,21 @@ def test_copy_to_device_coalesces_per_dtype_and_keeps_order_and_shapes():
     assert [t.dtype for t in moved] == [t.dtype for t in tensors]
 
 
+def test_copy_to_device_moves_sparse_gradients_beside_dense_ones():
+    # Row gradients of a table are sparse COO: they cannot join a flat buffer.
+    rows = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (4, 3))
+    moved = copy_to_device([torch.ones(3), rows, torch.zeros(2), rows], "meta")
+    assert [t.device.type for t in moved] == ["meta"] * 4
+    assert [t.layout for t in moved] == [torch.strided, torch.sparse_coo, torch.strided, torch.sparse_coo]
+    assert [tuple(t.shape) for t in moved] == [(3,), (4, 3), (2,), (4, 3)]
+
+
+def test_weighted_sum_adds_sparse_row_gradients():
+    rows = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (4, 3))
+    (total,) = weighted_sum([[rows], [rows]], [1.0, 1.0], "cpu")
+    assert torch.equal(total.to_dense(), 2 * rows.to_dense())
+
+
 def test_copy_to_device_accepts_a_tuple_and_returns_a_new_list():
     a = torch.ones(1)
     result = copy_to_device((a,), torch.device("cpu"))

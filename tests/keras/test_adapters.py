@@ -168,3 +168,22 @@ def test_optimizer_apply_is_intercepted_in_one_module_only():
         if path.name != "adapters.py" and pattern.search(path.read_text())
     )
     assert offenders == []
+
+
+def test_an_optimizer_made_outside_a_parameter_server_scope_is_refused_on_server_variables():
+    from kdist.errors import UnsupportedError
+    from tests.keras import _ps
+
+    outside = keras.optimizers.SGD(0.5)
+    local = keras.Variable(np.ones((3,), "float32"))
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        with strategy.scope():
+            remote = keras.Variable(np.ones((3,), "float32"))
+            with pytest.raises(UnsupportedError, match="outside strategy.scope"):
+                outside.apply([torch.ones(3)], [remote])
+            # Variables the servers do not hold: a local update, as Keras does.
+            outside.apply([torch.ones(3)], [local])
+        assert cluster.stats()[0].requests.get("push", 0) == 0
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(remote), np.ones(3))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(local), np.full(3, 0.5))

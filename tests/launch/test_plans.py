@@ -15,7 +15,7 @@ import pytest
 
 from kdist.launch import cli, plans
 from kdist.launch.spec import RestartPolicy
-from kdist.ps.server import autosave
+from kdist.ps import autosave
 from tests import harness
 
 SCRIPTS = Path(__file__).parent / "scripts"

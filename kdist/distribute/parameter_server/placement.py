@@ -294,7 +294,7 @@ class RoundRobinPlacer:
             kdist.errors.InvalidArgumentError: the name, shape or dtype is
                 invalid, `colocate_with` is not a placement on this cluster, or
                 the partitioner returned something other than one integer per
-                axis with a first route between 1 and the number of rows and 1
+                axis with a first entry between 1 and the number of rows and 1
                 everywhere else.
         """
         if not isinstance(name, str) or not name:
@@ -347,13 +347,13 @@ def _checked_num_shards(name, shape, partitions):
     expected = (
         f"one integer per axis ({len(shape)}), the first at least 1, every other equal to 1"
     )
-    routes = list(partitions) if isinstance(partitions, (list, tuple, np.ndarray)) else None
+    entries = list(partitions) if isinstance(partitions, (list, tuple, np.ndarray)) else None
     usable = (
-        routes is not None
-        and len(routes) == len(shape)
-        and all(is_integer(route) for route in routes)
-        and all(route == 1 for route in routes[1:])
-        and routes[0] >= 1
+        entries is not None
+        and len(entries) == len(shape)
+        and all(is_integer(entry) for entry in entries)
+        and all(entry == 1 for entry in entries[1:])
+        and entries[0] >= 1
     )
     if not usable:
         raise InvalidArgumentError(
@@ -363,4 +363,4 @@ def _checked_num_shards(name, shape, partitions):
         )
     # As TensorFlow: a partitioner asking for more shards than there are rows
     # (e.g. `[num_ps, 1]` for a 3-row bias) gets one shard per row.
-    return min(int(routes[0]), shape[0])
+    return min(int(entries[0]), shape[0])

@@ -28,7 +28,7 @@ has its own name):
    `kdist.ps.DenseGradient` / `RowGradient` values, one batch per server.
 2. client: `kdist.ps.VariableClient.push` sends one batch (the `Push` RPC).
 3. payload: `kdist.ps.client.payload.encode_gradient` turns each value into
-   a `GradientMeta` header route plus the arrays it carries.
+   a `GradientMeta` header entry plus the arrays it carries.
 4. codec: `kdist.ps.wire.codec.encode_stream` frames header and arrays into
    chunked stream messages; on the server, `codec.read_stream` decodes them
    into arrays laid out as the header announced.
@@ -139,7 +139,7 @@ class VariableRouter:
         return route if route is not None and route.variable is variable else None
 
     def routes(self, variables):
-        """Entries of those `variables` that live on parameter servers, in order, without repeats."""
+        """Routes of those `variables` that live on parameter servers, in order, without repeats."""
         seen, result = set(), []
         for variable in variables:
             route = self.route(variable)

@@ -71,7 +71,11 @@ class ParameterServerAdapter(ReplicaAdapter):
         return worker_steps.local_call(method, model, name, args, kwargs)
 
     def apply_gradients(self, optimizer, gradients, variables):
-        # The servers apply the optimizer; this worker pushes the gradients.
+        # The servers apply the optimizer; this worker pushes the gradients. An
+        # optimizer made outside the scope updates local variables only.
+        if not worker_steps.pushes(optimizer):
+            worker_steps.check_local_update(optimizer, variables, self.strategy)
+            return super().apply_gradients(optimizer, gradients, variables)
         return worker_steps.push_update(optimizer, gradients, variables)
 
     def on_variable_created(self, variable):

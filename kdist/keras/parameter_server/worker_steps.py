@@ -57,8 +57,8 @@ def on_variable_created(variable, strategy):
     owner = _compat.variable_owner()
     if _compat.is_model_variable(variable, owner):
         strategy.extended._on_variable_created(variable)
-    elif isinstance(owner, keras.optimizers.Optimizer) and getattr(owner, "_kdist_ps_session", None) is None:
-        _wrap_optimizer(owner, PSSession(None, strategy))
+    elif isinstance(owner, keras.optimizers.Optimizer) and not pushes(owner):
+        _connect_optimizer(owner, PSSession(None, strategy))
 
 
 class _Step:
@@ -204,7 +204,7 @@ def connect_optimizer(model, strategy):
     """Makes the model's optimizer push to the parameter servers."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
-        _wrap_optimizer(optimizer, session_for(model, strategy))
+        _connect_optimizer(optimizer, session_for(model, strategy))
 
 
 def wrap_step_functions(model, strategy):
@@ -214,17 +214,17 @@ def wrap_step_functions(model, strategy):
         _wrap_make_function(model, kind, session)
 
 
-def _wrap_optimizer(optimizer, session):
+def _connect_optimizer(optimizer, session):
     """Makes `optimizer` push to `session`'s servers (through its adapter); later calls only switch the session.
 
     `kdist.keras.adapters.attach_optimizer` makes the parameter-server adapter
     own it: its `apply_gradients` is `push_update`. Its slots are recorded
     under the servers' names as they are made.
     """
-    already_wrapped = getattr(optimizer, "_kdist_ps_session", None) is not None
+    already_connected = pushes(optimizer)
     object.__setattr__(optimizer, "_kdist_ps_session", session)
     adapters.attach_optimizer(optimizer, session.strategy)
-    if already_wrapped:
+    if already_connected:
         return
     original_add = optimizer.add_variable_from_reference
 
@@ -242,6 +242,31 @@ def _wrap_optimizer(optimizer, session):
     object.__setattr__(optimizer, "_kdist_ps_slots", {})
     object.__setattr__(optimizer, "_kdist_ps_slot_names", {})
     object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+
+
+def pushes(optimizer):
+    """Whether `optimizer` was connected to parameter servers (made in the scope, or a model's compiled there)."""
+    return getattr(optimizer, "_kdist_ps_session", None) is not None
+
+
+def check_local_update(optimizer, variables, strategy):
+    """Refuses a local update of variables the servers hold, by an optimizer connected to none.
+
+    Raises:
+        kdist.errors.UnsupportedError: naming the first such variable.
+    """
+    if variables is None:
+        variables = _compat.optimizer_trainable_variables(optimizer)
+    router = strategy.extended.variable_router
+    for variable in variables:
+        if router.route(variable) is not None:
+            raise UnsupportedError(
+                f"The optimizer {optimizer.name!r} was created outside strategy.scope() and is not "
+                f"connected to the parameter servers, which hold variable {variable.path!r}: applying "
+                "it would change only this process's copy. Received: optimizer.apply on that "
+                "variable. Create the optimizer inside strategy.scope(), or compile the model with "
+                "it there."
+            )
 
 
 def push_update(optimizer, gradients, variables):

@@ -201,7 +201,5 @@ class BatchNormShardGuard:
 
 
 def install():
-    """Registers `ReplicaAdapter` for every strategy and makes optimizers record replica gradients. Idempotent."""
-    # Every optimizer's `apply` goes to its owner's `optimizer_step`.
-    adapters.install_optimizer_step()
+    """Registers `ReplicaAdapter` for every strategy. Idempotent."""
     adapters.register(Strategy, ReplicaAdapter)

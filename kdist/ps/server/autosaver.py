@@ -152,7 +152,7 @@ class Autosaver:
         store: the server's `kdist.ps.server.store.VariableStore` (its update-id
             memory is replaced by a `RememberedUpdateIds`).
         directory: this server's own directory.
-        every: a `kdist.ps.server.autosave.CheckpointEvery`.
+        every: a `kdist.ps.autosave.CheckpointEvery`.
         name: how the log line names the server (e.g. `"ps-1"`).
         layout: `(ps_index, num_ps)` of this server in its job, or None.
             With it, every checkpoint records the layout, and a checkpoint of

@@ -15,7 +15,7 @@ import pytest
 
 from kdist.errors import InvalidArgumentError, ParameterServerUnavailableError
 from kdist.ps import DenseGradient, ServiceOptions, VariableClient, VariableInit, create_server
-from kdist.ps.server import autosave
+from kdist.ps import autosave
 from kdist.ps.server.autosaver import CHECKPOINT_NAME, COUNTER_NAME
 from kdist.ps.server.checkpoint import MANIFEST_NAME
 
