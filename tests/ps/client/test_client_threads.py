@@ -25,24 +25,31 @@ _SERVER_THREADS = "kdist-ps"
 
 
 class _ThreadStarts:
-    """Counts the client side's `threading.Thread.start` calls in this process while active.
+    """Records the `threading.Thread.start` calls made from this (the test's) thread while active.
 
-    The server runs in this process too: its handler pool (threads named
-    `kdist-ps_N`) grows on demand when a call arrives before the previous
-    handler has returned its thread, which a loaded machine makes happen, and
-    its stream guard's thread is `kdist-ps-stream-guard`. Those are not counted.
+    The client's calls run in the calling thread, and grpcio starts its channel
+    thread from there too (the negative control). Threads other code starts
+    from its own threads are not the client's and are not counted: the
+    in-process server's handler pool (threads named `kdist-ps_N`, grown on
+    demand on a loaded machine), its stream guard, and whatever an earlier test
+    in this process left running.
     """
 
     def __init__(self, monkeypatch):
-        self.count = 0
+        self.started = []
+        caller = threading.current_thread()
         original = threading.Thread.start
 
         def start(thread):
-            if not thread.name.startswith(_SERVER_THREADS):
-                self.count += 1
+            if threading.current_thread() is caller and not thread.name.startswith(_SERVER_THREADS):
+                self.started.append(thread.name)
             return original(thread)
 
         monkeypatch.setattr(threading.Thread, "start", start)
+
+    @property
+    def count(self):
+        return len(self.started)
 
 
 @pytest.fixture
@@ -78,12 +85,13 @@ def _thread_starts_of_ten_steps(client, monkeypatch):
     starts = _ThreadStarts(monkeypatch)
     for _ in range(10):
         _step(client, ids)
-    return starts.count
+    return starts
 
 
 def test_a_step_of_pull_lookup_and_push_starts_no_thread(server, monkeypatch):
     with _client(server) as client:
-        assert _thread_starts_of_ten_steps(client, monkeypatch) == 0
+        starts = _thread_starts_of_ten_steps(client, monkeypatch)
+        assert starts.count == 0, f"threads started by ten steps: {starts.started}"
         [state] = client.pull(["w"])
     np.testing.assert_allclose(state.value, np.full((8, 4), -0.1 * 13, "float32"), rtol=1e-6)
 
@@ -93,7 +101,7 @@ def test_negative_control_grpcio_threads_are_counted_without_the_channel_option(
     # channel thread starts for its calls, and the counter sees it.
     monkeypatch.setattr(client_module, "CALLING_THREAD_OPTIONS", ())
     with _client(server) as client:
-        assert _thread_starts_of_ten_steps(client, monkeypatch) >= 10
+        assert _thread_starts_of_ten_steps(client, monkeypatch).count >= 10
 
 
 @pytest.mark.parametrize("messages", [[], ["a", "b"]])
