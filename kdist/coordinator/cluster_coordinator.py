@@ -48,7 +48,6 @@ from kdist.errors import (
     ParameterServerUnavailableError,
     PeerAuthenticationError,
 )
-from kdist.ps.client import retry as client_retry
 from kdist.validation import require_positive_integer, require_seconds
 
 # The coordinator asks every parameter server for its health this often, each
@@ -336,7 +335,7 @@ class ClusterCoordinator:
                     started = failing_since.setdefault(client.address, time.monotonic())
                     if time.monotonic() - started >= self._ps_unavailable_seconds:
                         # Calls still waiting for it (the chief's own) fail now too.
-                        client_retry.give_up(client)
+                        client.give_up()
                         self._queue.fail(ParameterServerUnavailableError(
                             client.address, self._ps_unavailable_seconds, error.detail,
                             elapsed_seconds=time.monotonic() - started))

@@ -137,16 +137,43 @@ def attach_optimizer(optimizer, strategy):
 
 
 def install_optimizer_step():
-    """Routes `apply` of every optimizer class Keras ships to its owner's `optimizer_step`. Idempotent."""
+    """Routes `apply` of every Keras optimizer class to its owner's `optimizer_step`. Idempotent.
+
+    `keras.optimizers.Optimizer` is routed, and so is every subclass that
+    defines its own `apply` (`LossScaleOptimizer`, `MultiOptimizer`, a user's),
+    those that exist now and those defined later: the outermost `apply` is the
+    step, so a subclass's own code (`MultiOptimizer` splitting the gradients
+    and counting its iterations) runs once per update, not once per replica.
+    """
     global _optimizer_step_installed
     if _optimizer_step_installed:
         return
-    for cls in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
-        _route_class(cls)
+    base = keras.optimizers.Optimizer
+    _route_class(base)
+    pending = list(base.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if "apply" in cls.__dict__:
+            _route_class(cls)
+    own_hook = base.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls, **kwargs):
+        # What `base` had: its own hook, or (as `super().__init_subclass__` in its body) its parents'.
+        if own_hook is not None:
+            own_hook.__get__(None, cls)(**kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        if "apply" in cls.__dict__:
+            _route_class(cls)
+
+    base.__init_subclass__ = classmethod(__init_subclass__)
     _optimizer_step_installed = True
 
 
 def _route_class(cls):
+    if cls.__dict__.get("_kdist_routed_apply", False):
+        return
     original_apply = cls.apply
 
     @functools.wraps(original_apply)
@@ -154,6 +181,7 @@ def _route_class(cls):
         return _intercepted(self, functools.partial(original_apply, self), grads, trainable_variables)
 
     cls.apply = apply
+    cls._kdist_routed_apply = True
 
 
 def register(strategy_class, adapter_class):

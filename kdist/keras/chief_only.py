@@ -30,12 +30,16 @@ checkpoints and summaries a user reads; other workers write nothing there.
 """
 
 import os
+import re
 
 import keras
 
 from kdist.atomic_files import is_remote
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat, atomic_save
+
+# A task name as a backup subdirectory (`<backup_dir>/<task>`).
+_TASK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 SUMMARY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard, keras.callbacks.ProgbarLogger)
 """Callbacks that only write logs or summaries: they run where `should_save_summary` is True."""
@@ -64,10 +68,11 @@ def task_callbacks(arguments, strategy, collective_saves, has_verbose=True, task
         `evaluate`: already adjusted) or something that is not a callback
         (Keras reports it), left unchanged.
     """
-    if not collective_saves and not (isinstance(task, str) and task):
+    if not collective_saves and not _is_directory_name(task):
         raise InvalidArgumentError(
             "task_callbacks needs the task's name where each task trains alone (collective_saves=False): "
-            f"its backups go to <backup_dir>/<task>. Received: task={task!r}. Expected e.g. 'worker-1'."
+            f"its backups go to <backup_dir>/<task>, one directory. Received: task={task!r}. "
+            "Expected a name of letters, digits, '_', '.' and '-', e.g. 'worker-1'."
         )
     extended = strategy.extended
     writes_summaries, writes_checkpoints = extended.should_save_summary, extended.should_checkpoint
@@ -90,6 +95,12 @@ def task_callbacks(arguments, strategy, collective_saves, has_verbose=True, task
         kept.append(callback)
     arguments["callbacks"] = kept
     return kept
+
+
+def _is_directory_name(task):
+    """A name that is one directory under the backup directory: no separator, no `..`."""
+    return (isinstance(task, str) and _TASK_NAME.fullmatch(task) is not None
+            and task not in (".", ".."))
 
 
 def own_backup(callback, task):

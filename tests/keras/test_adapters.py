@@ -187,3 +187,33 @@ def test_an_optimizer_made_outside_a_parameter_server_scope_is_refused_on_server
         assert cluster.stats()[0].requests.get("push", 0) == 0
         np.testing.assert_allclose(keras.ops.convert_to_numpy(remote), np.ones(3))
     np.testing.assert_allclose(keras.ops.convert_to_numpy(local), np.full(3, 0.5))
+
+
+def test_an_optimizer_subclass_with_its_own_apply_runs_it_once_per_update():
+    """`MultiOptimizer` and a user's subclass define `apply`: the outermost one is the step."""
+    strategy = kdist.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        v = keras.Variable(np.ones(3, "float32"), name="v")
+        w = keras.Variable(np.ones(2, "float32"), name="w")
+        first, second = keras.optimizers.SGD(0.5), keras.optimizers.SGD(0.25)
+        multi = keras.optimizers.MultiOptimizer(lambda variable: first if variable.path == v.path else second)
+        multi.build([v, w])
+
+    class Counting(keras.optimizers.SGD):  # defined after kdist routed the classes
+        calls = 0
+
+        def apply(self, grads, trainable_variables=None):
+            Counting.calls += 1
+            return super().apply(grads, trainable_variables)
+
+    with strategy.scope():
+        counting = Counting(0.5)
+    for _ in range(2):
+        strategy.run(lambda: multi.apply([torch.ones(3), torch.ones(2)], [v, w]))
+    # Two replicas' gradients summed, two steps. Unrouted, each replica ran
+    # MultiOptimizer.apply and counted its iterations: 4.
+    assert [int(o.iterations.numpy()) for o in (multi, first, second)] == [2, 2, 2]
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(v), np.full(3, 1 - 2 * 0.5 * 2))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(w), np.full(2, 1 - 2 * 0.25 * 2))
+    strategy.run(lambda: counting.apply([torch.ones(3)], [v]))
+    assert Counting.calls == 1 and int(counting.iterations.numpy()) == 1

@@ -126,7 +126,7 @@ def test_negative_control_without_the_rule_worker_1_resumes_from_the_chiefs_back
     assert recorder.epochs == list(range(1, EPOCHS))  # skipped the epoch the chief had done
 
 
-@pytest.mark.parametrize("task", [None, ""])
+@pytest.mark.parametrize("task", [None, "", 3, "..", "../chief", "worker/1", "worker-1\n"])
 def test_a_task_that_trains_alone_must_be_named(task):
     from kdist.errors import InvalidArgumentError
     from kdist.keras import chief_only

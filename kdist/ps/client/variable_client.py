@@ -368,6 +368,16 @@ class VariableClient:
         return {"status": response.status, "num_variables": response.num_variables,
                 "uptime_seconds": response.uptime_seconds, "pid": response.pid}
 
+    def give_up(self):
+        """Stops waiting for this client's server: its owner declared it gone for good.
+
+        Calls waiting for it to come back, and later calls that find it
+        unavailable, raise `kdist.errors.ParameterServerUnavailableError` at
+        once instead of waiting out `ServiceOptions.recovery_timeout_seconds`.
+        The next answer from the server ends this.
+        """
+        client_retry.give_up(self)
+
     @property
     def closed(self):
         """True once `close()` was called: every call then raises `ValueError`."""
