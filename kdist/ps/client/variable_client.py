@@ -22,15 +22,8 @@ from kdist.ps.options import ServiceOptions
 from kdist.ps.wire.conventions import canonical_config
 from kdist.ps.wire.methods import METHODS
 from kdist.rpc.security import Security
-from kdist.ps.wire.values import (
-    PushResult,
-    ServerStats,
-    StalenessStats,
-    VariableState,
-    VariableStats,
-    check_name,
-    check_update_id,
-)
+from kdist.ps.wire.values import (PushResult, ServerStats, StalenessStats, VariableState, VariableStats,
+                                   check_name, check_update_id)
 
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
@@ -353,10 +346,7 @@ class VariableClient:
 
         Does not wait for a server that is not up yet (see `wait_until_ready`).
         """
-        response = self._call("Health", pb.HealthRequest(), timeout=timeout,
-                              wait_for_ready=False)
-        return {"status": response.status, "num_variables": response.num_variables,
-                "uptime_seconds": response.uptime_seconds, "pid": response.pid}
+        return _health(self._call("Health", pb.HealthRequest(), timeout=timeout, wait_for_ready=False))
 
     def wait_until_ready(self, timeout):
         """Waits until the server answers; returns its `health()`.
@@ -364,18 +354,12 @@ class VariableClient:
         Raises:
             kdist.errors.ParameterServerUnavailableError: not up within `timeout`.
         """
-        response = self._call("Health", pb.HealthRequest(), timeout=timeout, wait_for_ready=True)
-        return {"status": response.status, "num_variables": response.num_variables,
-                "uptime_seconds": response.uptime_seconds, "pid": response.pid}
+        return _health(self._call("Health", pb.HealthRequest(), timeout=timeout, wait_for_ready=True))
 
     def give_up(self):
-        """Stops waiting for this client's server: its owner declared it gone for good.
-
-        Calls waiting for it to come back, and later calls that find it
-        unavailable, raise `kdist.errors.ParameterServerUnavailableError` at
-        once instead of waiting out `ServiceOptions.recovery_timeout_seconds`.
-        The next answer from the server ends this.
-        """
+        """Declares the server gone for good: calls waiting for it to come back, and later
+        ones that find it unavailable, raise `ParameterServerUnavailableError` at once
+        (see `kdist.ps.client.retry.give_up`)."""
         client_retry.give_up(self)
 
     @property
@@ -403,3 +387,8 @@ def _server_initializer(spec):
         return None
     return pb.ServerInitializer(config_json=spec.config_json, full_shape=list(spec.full_shape),
                                 row_start=int(spec.row_start))
+
+
+def _health(response):
+    return {"status": response.status, "num_variables": response.num_variables,
+            "uptime_seconds": response.uptime_seconds, "pid": response.pid}
