@@ -156,35 +156,21 @@ def watched_call(multi_callable, response_streaming, request, read=None, *, time
         CallCancelled: the call still ran `GRACE_SECONDS` after its deadline.
         grpc.RpcError: the call failed by itself.
     """
-    return start_watched(multi_callable, response_streaming, request, read, timeout=timeout, **kwargs)()
-
-
-def start_watched(multi_callable, response_streaming, request, read=None, *, timeout, **kwargs):
-    """`watched_call` in two halves: sends the call and arms its watch now; returns `finish()`.
-
-    `finish()` reads the answer (returns `read(response)`, raises as
-    `watched_call`); it must be called, once. Calls started one after another
-    from one thread are in flight together, with no thread of their own.
-    """
     # A future (unary response) or a call (streamed response): both can be
     # cancelled from the watchdog's thread, which wakes this one.
     if response_streaming:
         call = response = multi_callable(request, timeout=timeout, **kwargs)
     else:
         call = multi_callable.future(request, timeout=timeout, **kwargs)
-    watch = shared_watchdog().watch(call.cancel, timeout + GRACE_SECONDS)
-
-    def finish():
-        with watch:
-            try:
-                answer = call.result() if not response_streaming else response
-                return answer if read is None else read(answer)
-            except (grpc.RpcError, grpc.FutureCancelledError):
-                if watch.fired:
-                    raise CallCancelled() from None
-                raise
-
-    return finish
+    with shared_watchdog().watch(call.cancel, timeout + GRACE_SECONDS) as watch:
+        try:
+            if not response_streaming:
+                response = call.result()
+            return response if read is None else read(response)
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            if watch.fired:
+                raise CallCancelled() from None
+            raise
 
 
 _shared = None

@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from kdist.distribute.parameter_server import fan_out, optimizer_states
+from kdist.distribute.parameter_server import optimizer_states
 from kdist.distribute.parameter_server.route import Route, RouteReader, keys_by_server, server_keys, to_numpy
 from kdist.errors import InvalidArgumentError
 from kdist.ps import Assignment, DenseGradient, RowGradient
@@ -104,8 +104,7 @@ class VariableRouter:
         remote = initializer_json is not None
         route = Route(variable, placement, keys, [0] * len(keys), row_sparse=remote, remote=remote)
         requests = route.create_requests(initializer_json)
-        results = fan_out.pooled(self._pool, self._clients, requests,
-                                 lambda client, items: client.create([item for _, item in items]))
+        results = self._per_server(requests, lambda client, items: client.create([item for _, item in items]))
         for ps_index, items in requests.items():
             for (position, _), state in zip(items, results[ps_index]):
                 if not remote:
@@ -159,26 +158,21 @@ class VariableRouter:
             for position, shard in enumerate(route.placement.shards):
                 requests.setdefault(shard.ps_index, []).append((route, position))
 
-        def start_pull(client, items):
+        def pull_from(client, items):
             names = [route.keys[position] for route, position in items]
             known = {route.keys[position]: route.versions[position] for route, position in items} if only_changed else None
             # Values land straight in the local variables' memory (no copy).
             out = {name: view for name, (route, position) in zip(names, items) if (view := route.local_view(position)) is not None}
-            finish = client.start_pull(names, known_versions=known, out=out)
+            try:
+                return client.pull(names, known_versions=known, out=out), out
+            except Exception:
+                # A pull that failed part-way may have overwritten some local
+                # values: forget their versions so the next pull resends them.
+                for route, position in items:
+                    route.versions[position] = -1
+                raise
 
-            def finish_pull():
-                try:
-                    return finish(), out
-                except Exception:
-                    # A pull that failed part-way may have overwritten some local
-                    # values: forget their versions so the next pull resends them.
-                    for route, position in items:
-                        route.versions[position] = -1
-                    raise
-
-            return finish_pull
-
-        results = fan_out.started(self._clients, requests, start_pull)
+        results = self._per_server(requests, pull_from)
         for ps_index, items in requests.items():
             states, out = results[ps_index]
             for (route, position), state in zip(items, states):
@@ -210,8 +204,7 @@ class VariableRouter:
         by_server = {}
         for index, (position, local_ids) in enumerate(requests):
             by_server.setdefault(route.placement.shards[position].ps_index, []).append((index, route.keys[position], local_ids))
-        results = fan_out.started(
-            self._clients, by_server, lambda client, items: client.start_lookup([(key, ids) for _, key, ids in items]))
+        results = self._per_server(by_server, lambda client, items: client.lookup([(key, ids) for _, key, ids in items]))
         answers = [None] * len(requests)
         for ps_index, items in by_server.items():
             for (index, _, _), answer in zip(items, results[ps_index]):
@@ -223,8 +216,7 @@ class VariableRouter:
         by_server = {}
         for index, position in enumerate(positions):
             by_server.setdefault(route.placement.shards[position].ps_index, []).append((index, route.keys[position]))
-        results = fan_out.started(self._clients, by_server,
-                                  lambda client, items: client.start_pull([key for _, key in items]))
+        results = self._per_server(by_server, lambda client, items: client.pull([key for _, key in items]))
         values = [None] * len(positions)
         for ps_index, items in by_server.items():
             for (index, _), state in zip(items, results[ps_index]):
@@ -274,8 +266,8 @@ class VariableRouter:
             for position, shard in enumerate(route.placement.shards):
                 assignment = Assignment(route.keys[position], route.placement.shard_part(position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
-        results = fan_out.started(
-            self._clients, requests, lambda client, pair: client.start_push(pair[0], pair[1], update_id=update_id))
+        results = self._per_server(
+            requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
         return list(results.values())
 
     @contextlib.contextmanager
@@ -346,8 +338,7 @@ class VariableRouter:
         """Tells each server which optimizer applies the pushes to `routes`' shards."""
         if self.sparse_updates != "exact":
             config = {**config, SPARSE_UPDATES_KEY: self.sparse_updates}
-        fan_out.pooled(self._pool, self._clients, keys_by_server(routes),
-                       lambda client, names: client.configure_optimizer(config, names))
+        self._per_server(keys_by_server(routes), lambda client, names: client.configure_optimizer(config, names))
 
     def optimizer_state(self, routes):
         """Reads back the servers' optimizer state of `routes`.
@@ -356,14 +347,13 @@ class VariableRouter:
             A list, one item per route: `(iterations, {slot name: full array})`;
             a partitioned variable's slots are its shards' slots concatenated.
         """
-        results = fan_out.pooled(self._pool, self._clients, keys_by_server(routes),
-                                 lambda client, names: client.optimizer_state(names))
+        results = self._per_server(keys_by_server(routes), lambda client, names: client.optimizer_state(names))
         return optimizer_states.gather(routes, results.values())
 
     def load_optimizer_state(self, routes, states):
         """Sets the servers' optimizer state of `routes` (configured) from `states`, as read above."""
         requests = optimizer_states.split(routes, states)
-        fan_out.pooled(self._pool, self._clients, requests, lambda client, part: client.load_optimizer_state(part))
+        self._per_server(requests, lambda client, part: client.load_optimizer_state(part))
 
     def stats(self):
         """`kdist.ps.ServerStats` of every parameter server, by task index."""
@@ -376,6 +366,14 @@ class VariableRouter:
         self._pool.shutdown(wait=False)
 
     # ----- helpers ------------------------------------------------------------------
+    def _per_server(self, requests, call):
+        """Runs `call(client, payload)` for every `{ps_index: payload}` concurrently."""
+        if len(requests) == 1:
+            ((ps_index, payload),) = requests.items()
+            return {ps_index: call(self._clients[ps_index], payload)}
+        futures = {ps_index: self._pool.submit(call, self._clients[ps_index], payload) for ps_index, payload in requests.items()}
+        return {ps_index: future.result() for ps_index, future in futures.items()}
+
     @staticmethod
     def changed(route):
         """True when a non-trainable route's local value differs from what was last read."""

@@ -10,8 +10,7 @@ import numpy as np
 from kdist.errors import InvalidArgumentError
 from kdist.ps.wire import codec
 from kdist.ps.wire._generated import variable_service_pb2 as pb
-from kdist.ps.wire.values import (Assignment, DenseGradient, OptimizerState, PushResult, RowGradient, ServerStats,
-                                   StalenessStats, VariableStats, check_name)
+from kdist.ps.wire.values import Assignment, DenseGradient, OptimizerState, RowGradient, check_name
 
 
 def variables_layout(header):
@@ -88,26 +87,3 @@ def read_optimizer_state(frames):
     values = iter(values)
     return {state.name: OptimizerState(state.iterations, {slot.name: next(values) for slot in state.slots})
             for state in response.states}
-
-
-def push_result(response):
-    """The `PushResult` of a push's answer."""
-    return PushResult(dict(response.versions), tuple(response.rejected), dict(response.staleness))
-
-
-def read_stats(response):
-    """The `ServerStats` of a `Stats` answer."""
-    return ServerStats(
-        variables={
-            item.name: VariableStats(item.version, item.applied_updates, item.rejected_updates, tuple(item.shape),
-                                     item.dtype, item.num_bytes, item.sparse_applies, item.dense_applies,
-                                     item.rows_updated)
-            for item in response.variables
-        },
-        requests=dict(response.requests),
-        bytes_received=response.bytes_received,
-        bytes_sent=response.bytes_sent,
-        applied_pushes=response.applied_pushes,
-        deduplicated_updates=response.deduplicated_updates,
-        staleness=StalenessStats.from_histogram(dict(response.staleness_histogram)),
-    )

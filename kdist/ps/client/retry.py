@@ -1,6 +1,5 @@
 """`VariableClient`'s calls: one deadline for all attempts, retries on UNAVAILABLE (a server coming back) and refused slots, a watchdog."""
 
-import functools
 import itertools
 import os
 import random
@@ -13,7 +12,7 @@ import grpc
 from kdist.errors import ParameterServerError, ParameterServerUnavailableError
 from kdist.ps.wire.methods import METHODS
 from kdist.ps.wire.status import SLOT_REFUSED_KEY, client_error
-from kdist.rpc.watchdog import CallCancelled, GRACE_SECONDS, start_watched
+from kdist.rpc.watchdog import CallCancelled, GRACE_SECONDS, watched_call
 
 # gRPC's own retry policy is off: with it on, a pull stream in flight when its
 # server was `kill -9`ed could block far past its deadline. The client retries
@@ -67,29 +66,11 @@ def call(client, name, request, read=None, timeout=None, wait_for_ready=None, re
     (a stream is consumed by the attempt that sends it). The whole call,
     retries included, ends within its deadline plus `GRACE_SECONDS`.
     """
-    return start(client, name, request, read, timeout, wait_for_ready, retry)()
-
-
-def start(client, name, request, read=None, timeout=None, wait_for_ready=None, retry=True):
-    """`call` in two halves: sends its first attempt now and returns `finish()`, which returns its result.
-
-    `finish()` reads the answer, and makes any further attempt, as `call`
-    does; it must be called, once. Calls to several servers started one after
-    another from one thread are in flight together, with no thread of their own.
-    """
     deadline = client.options.rpc_timeout_seconds if timeout is None else timeout
     if wait_for_ready is None and not client._connected:
         wait_for_ready = True
         deadline += client.options.connect_timeout_seconds
     started = time.monotonic()
-    try:
-        first = _start_attempt(client, name, request, read, deadline, wait_for_ready)
-    except grpc.RpcError as error:  # failed while sending: the first attempt's failure, handled by _finish
-        first = functools.partial(_raise, error)
-    return functools.partial(_finish, client, name, request, read, deadline, wait_for_ready, retry, started, first)
-
-
-def _finish(client, name, request, read, deadline, wait_for_ready, retry, started, first):
     # When this client found its (earlier reachable) server gone: kept across
     # calls, so that once the window has passed later calls fail at once.
     gone_since = client._gone_since
@@ -98,13 +79,9 @@ def _finish(client, name, request, read, deadline, wait_for_ready, retry, starte
     slot_backoff = SLOT_BACKOFF_SECONDS[0]
     attempt, slot_refusals = 1, 0
     while True:
+        remaining = started + deadline - time.monotonic()
         try:
-            if first is not None:
-                attempt_finish, first = first, None
-            else:
-                remaining = started + deadline - time.monotonic()
-                attempt_finish = _start_attempt(client, name, request, read, remaining, wait_for_ready)
-            result = attempt_finish()
+            result = _attempt(client, name, request, read, remaining, wait_for_ready)
             break
         except grpc.RpcError as error:
             elapsed = time.monotonic() - started
@@ -145,10 +122,6 @@ def _finish(client, name, request, read, deadline, wait_for_ready, retry, starte
     return result
 
 
-def _raise(error):
-    raise error
-
-
 def give_up(client):
     """Ends the wait for `client`'s server: its owner declared it gone for good.
 
@@ -160,7 +133,7 @@ def give_up(client):
     client._gone_since = min(gone, client._gone_since or gone)
 
 
-def _start_attempt(client, name, request, read, remaining, wait_for_ready):
+def _attempt(client, name, request, read, remaining, wait_for_ready):
     multi_callable = client._calls[name]
     response_streaming = METHODS[name].response_streaming
     if callable(request):
@@ -171,9 +144,9 @@ def _start_attempt(client, name, request, read, remaining, wait_for_ready):
             multi_callable = client._single_calls[name]
             if not response_streaming:
                 read, response_streaming = _only_message(client, name, read), True
-    return start_watched(multi_callable, response_streaming, request, read,
-                         timeout=max(remaining, 0.0), metadata=client._metadata,
-                         wait_for_ready=wait_for_ready)
+    return watched_call(multi_callable, response_streaming, request, read,
+                        timeout=max(remaining, 0.0), metadata=client._metadata,
+                        wait_for_ready=wait_for_ready)
 
 
 def _only_message(client, name, read):

@@ -15,16 +15,15 @@ from kdist.ps.client.payload import (
     encode_gradient,
     ids_array,
     optimizer_state_payload,
-    push_result,
     read_optimizer_state,
-    read_stats,
     variables_layout,
 )
 from kdist.ps.options import ServiceOptions
 from kdist.ps.wire.conventions import canonical_config
 from kdist.ps.wire.methods import METHODS
 from kdist.rpc.security import Security
-from kdist.ps.wire.values import VariableState, check_name, check_update_id
+from kdist.ps.wire.values import (PushResult, ServerStats, StalenessStats, VariableState, VariableStats,
+                                   check_name, check_update_id)
 
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
@@ -152,15 +151,6 @@ class VariableClient:
         Raises:
             kdist.errors.ParameterServerError: `NOT_FOUND` for an unknown name.
         """
-        return self.start_pull(names, known_versions, out)()
-
-    def start_pull(self, names, known_versions=None, out=None):
-        """`pull` in two halves: sends the request now, returns `finish()`, which returns what `pull` does.
-
-        Requests started one after another (to several servers) are in flight
-        together, with no thread of their own. Each `finish()` must be called.
-        `start_lookup` and `start_push` are the same for `lookup` and `push`.
-        """
         names = list(names)
         for name in names:
             check_name(name)
@@ -185,7 +175,7 @@ class VariableClient:
             return [VariableState(meta.name, next(values) if meta.has_value else None,
                                   meta.version) for meta in response.variables]
 
-        return client_retry.start(self, "Pull", request, read)
+        return self._call("Pull", request, read)
 
     def push(self, gradients, assignments=(), update_id=None):
         """Applies gradients with the server's optimizer, then assignments.
@@ -219,10 +209,6 @@ class VariableClient:
 
         >>> client.push([DenseGradient("w", gradient)], update_id="closure-17/0")  # doctest: +SKIP
         """
-        return self.start_push(gradients, assignments, update_id)()
-
-    def start_push(self, gradients, assignments=(), update_id=None):
-        """`push` in two halves (see `start_pull`)."""
         check_update_id(update_id)
         metas, arrays = [], []
         for gradient in gradients:
@@ -233,8 +219,9 @@ class VariableClient:
         header = pb.PushHeader(gradients=metas, assignments=assignment_metas,
                                update_id=client_retry.update_id_or_fresh(update_id))
         # Sent again (server restarting) with its id: applied once in all.
-        finish = client_retry.start(self, "Push", lambda: self._stream(header, arrays + assignment_arrays))
-        return lambda: push_result(finish())
+        response = self._call("Push", lambda: self._stream(header, arrays + assignment_arrays))
+        return PushResult(dict(response.versions), tuple(response.rejected),
+                          dict(response.staleness))
 
     def assign(self, assignments, update_id=None):
         """Replaces variables' values; returns name -> new version.
@@ -268,10 +255,6 @@ class VariableClient:
             kdist.errors.ParameterServerError: `NOT_FOUND`, or
                 `INVALID_ARGUMENT` for ids out of range.
         """
-        return self.start_lookup(requests)()
-
-    def start_lookup(self, requests):
-        """`lookup` in two halves (see `start_pull`)."""
         items, arrays = [], []
         for name, ids in requests:
             check_name(name)
@@ -285,7 +268,8 @@ class VariableClient:
                                         for result in header.results], "lookup response")
             return [(value, result.version) for value, result in zip(rows, response.results)]
 
-        return client_retry.start(self, "Lookup", lambda: self._stream(pb.LookupHeader(items=items), arrays), read)
+        return self._call("Lookup", lambda: self._stream(pb.LookupHeader(items=items), arrays),
+                          read)
 
     # -- Optimizers ------------------------------------------------------------------------
 
@@ -340,7 +324,22 @@ class VariableClient:
 
     def stats(self):
         """Returns the server's `ServerStats`."""
-        return read_stats(self._call("Stats", pb.StatsRequest()))
+        response = self._call("Stats", pb.StatsRequest())
+        return ServerStats(
+            variables={
+                item.name: VariableStats(item.version, item.applied_updates,
+                                         item.rejected_updates, tuple(item.shape), item.dtype,
+                                         item.num_bytes, item.sparse_applies, item.dense_applies,
+                                         item.rows_updated)
+                for item in response.variables
+            },
+            requests=dict(response.requests),
+            bytes_received=response.bytes_received,
+            bytes_sent=response.bytes_sent,
+            applied_pushes=response.applied_pushes,
+            deduplicated_updates=response.deduplicated_updates,
+            staleness=StalenessStats.from_histogram(dict(response.staleness_histogram)),
+        )
 
     def health(self, timeout=None):
         """Returns the server's health: `{"status", "num_variables", "uptime_seconds", "pid"}`.

@@ -77,13 +77,13 @@ def test_ids_per_block_nested_blocks_and_threads(remote, monkeypatch):
     variable_router, routes = remote
     sent = []
     for client in variable_router.clients:
-        start_push = client.start_push
+        push = client.push
 
-        def recording(gradients, assignments=(), update_id=None, start_push=start_push, address=client.address):
+        def recording(gradients, assignments=(), update_id=None, push=push, address=client.address):
             sent.append((address, update_id))
-            return start_push(gradients, assignments, update_id=update_id)
+            return push(gradients, assignments, update_id=update_id)
 
-        monkeypatch.setattr(client, "start_push", recording)
+        monkeypatch.setattr(client, "push", recording)
     gradients = [(route, np.ones(3, "float32")) for route in routes]
 
     def sent_ids():
