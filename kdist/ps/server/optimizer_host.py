@@ -24,6 +24,7 @@ import json
 import keras
 
 from kdist.errors import InvalidArgumentError
+from kdist.ps.server import memory
 from kdist.ps.server.row_updates import RowUpdates, sparse_refusal
 from kdist.ps.wire.conventions import CONFIG_KEY, slot_name
 from kdist.rpc import dtypes
@@ -98,6 +99,8 @@ class VariableOptimizer:
         self.optimizer.add_variable_from_reference = record_slot
         with keras.device("cpu"):
             self.optimizer.build([variable])
+        for slot in self.slots:  # a table's slots are read by rows like the table
+            memory.move_variable(slot)
         self.sparse_updates = json.loads(config_json).get(CONFIG_KEY, "exact")
         refusal = sparse_refusal(self.optimizer, variable, self.slots, self.sparse_updates)
         if refusal and self.sparse_updates == "lazy":

@@ -4,16 +4,19 @@ import threading
 
 import keras
 
+from kdist.ps.server import memory
 from kdist.rpc import dtypes
 
 
 def make_variable(name, array, trainable):
-    """Returns a CPU `keras.Variable` holding `array` (shares its memory)."""
+    """Returns a CPU `keras.Variable` holding `array` (shares its memory unless large: `memory`)."""
     # Keras variable names may not contain "/"; the store keys by the real name.
     keras_name = name.replace("/", "_").replace(":", "_")
     with keras.device("cpu"):
-        return keras.Variable(dtypes.to_torch(array), dtype=array.dtype.name,
-                              trainable=trainable, name=keras_name)
+        variable = keras.Variable(dtypes.to_torch(array), dtype=array.dtype.name,
+                                  trainable=trainable, name=keras_name)
+    memory.move_variable(variable)
+    return variable
 
 
 class _Storage:
@@ -68,7 +71,7 @@ class VariableEntry:
     def before_update(self):
         """Under `lock`, before changing the value in place: moves it off shared memory."""
         if self._storage.readers:
-            self._adopt(self.variable.value.data.clone())
+            self._adopt(memory.clone(self.variable.value.data))
 
     def apply_gradient(self, gradient, rows):
         """Under `lock`: applies `gradient` through the optimizer, bumps the version, counts it.
@@ -92,7 +95,7 @@ class VariableEntry:
 
     def replace_value(self, array):
         """Under `lock`: makes the (fresh, C-contiguous) `array` the variable's memory."""
-        self._adopt(dtypes.to_torch(array))
+        self._adopt(memory.moved(dtypes.to_torch(array)))
 
     def _adopt(self, tensor):
         self.variable.value.data = tensor

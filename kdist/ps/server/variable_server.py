@@ -7,6 +7,7 @@ import grpc
 from kdist.cluster.address import bind_endpoint, format_address
 from kdist.errors import InvalidArgumentError
 from kdist.ps.options import ServiceOptions
+from kdist.ps.server import memory
 from kdist.ps.server.autosaver import Autosaver
 from kdist.ps.server.servicer import VariableServicer
 from kdist.ps.server.store import VariableStore
@@ -120,6 +121,7 @@ def create_server(address="127.0.0.1:0", *, options=None, security=None, name=No
             f"security must be a Security. Received: {type(security).__name__}."
         )
     host, _ = bind_endpoint(address)
+    memory.keep_freed_memory()  # a step's temporaries reused, not faulted in anew (process-wide)
     store = VariableStore(max_staleness=options.max_staleness,
                           allow_non_finite_gradients=options.allow_non_finite_gradients)
     autosaver = None
