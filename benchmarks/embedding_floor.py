@@ -12,8 +12,8 @@ layout, so a reader can tell what part of the gap any Python gRPC design pays:
 | `floor_2rt` | the same with the pull fused into the lookup: 2 round trips per step instead of 3 |
 
 The servers are `grpc.server` with generic handlers and raw `bytes` (no
-protobuf, no authentication, no deadline watchdog; glibc keeps freed memory as
-in kdist's servers, `kdist.ps.server.memory`); each holds one half of the
+protobuf, no authentication, no deadline watchdog; memory laid out as in
+kdist's servers, `kdist.ps.server.memory`); each holds one half of the
 table (rows split as `MinSizePartitioner(256 KiB, max_shards=2)` splits them)
 and two of the 4 dense variables, and applies SGD or Adagrad with torch's
 index ops (duplicates summed, touched rows only). The chief keeps 2 steps in
@@ -78,12 +78,13 @@ def serve_ps(index, rows, optimizer, lr):
     torch.manual_seed(index)
     half = (rows + 1) // 2
     shard_rows = half if index == 0 else rows - half
-    table = torch.empty(shard_rows, DIM).uniform_(-0.05, 0.05)
+    table = memory.moved(torch.empty(shard_rows, DIM).uniform_(-0.05, 0.05))  # huge pages, as kdist's
     dense = {name: torch.empty(shape).uniform_(-0.2, 0.2) for name, shape in DENSE_SHAPES.items()
              if DENSE_HOME[name] == index}
     slots = {}
     if optimizer == "adagrad":
-        slots = {"table": torch.full_like(table, 0.1), **{n: torch.full_like(v, 0.1) for n, v in dense.items()}}
+        slots = {"table": memory.moved(torch.full_like(table, 0.1)),
+                 **{name: torch.full_like(value, 0.1) for name, value in dense.items()}}
     lock = threading.Lock()
 
     def apply(name, variable, ids, gradient):
@@ -294,6 +295,9 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--no-tf", action="store_true", help="leave out the TensorFlow baseline")
     args = parser.parse_args()
+    if not 1 <= args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps must be at least 1 and below --steps ({args.steps}). "
+                     f"Received: {args.warmup_steps}.")
     if args.role:
         return child_main(args.role, json.loads(args.arguments))
     for optimizer in args.optimizers.split(","):

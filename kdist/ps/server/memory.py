@@ -16,12 +16,16 @@ up to gigabytes. Two things made that cost grow with the table (measured on
   tables; 2 MiB pages make the walk cheap. Linux gives them to memory advised
   with `madvise(MADV_HUGEPAGE)` before it is first written (transparent huge
   pages in `madvise` or `always` mode). NumPy already advises its large
-  arrays, which hold the tables; optimizer slots are made by torch, so a large
-  tensor is moved once, when the server creates or replaces it, into fresh
-  advised memory (`moved`, `clone`, `move_variable`).
+  arrays, which hold the tables (made, received, restored); the tensors a
+  server makes with torch (an optimizer's slots, a copy-on-write clone) are
+  moved once, when made, into fresh advised memory (`moved`, `clone`,
+  `move_variable`).
 
 Both change where memory comes from, never a value. Elsewhere (another C
-library, another system, THP off, a small tensor) nothing changes.
+library, another system, THP off, a small tensor) nothing changes. The price
+of the first: a server's process keeps up to 256 MiB of freed memory at the
+top of each malloc arena, and blocks under 32 MiB are never returned to the
+system one by one.
 """
 
 import ctypes
@@ -40,9 +44,10 @@ _kept = False
 
 
 def _c_library():
+    """The process's C library with `madvise` and `mallopt` typed, or False (not Linux, or lacking them)."""
     global _libc
     if _libc is None:
-        _libc = False
+        library = False
         if sys.platform.startswith("linux"):
             try:
                 library = ctypes.CDLL(None, use_errno=True)
@@ -50,9 +55,9 @@ def _c_library():
                 library.madvise.restype = ctypes.c_int
                 library.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
                 library.mallopt.restype = ctypes.c_int
-                _libc = library
-            except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-                pass
+            except (OSError, AttributeError):
+                library = False
+        _libc = library
     return _libc
 
 
@@ -60,13 +65,15 @@ def keep_freed_memory():
     """Makes glibc keep freed blocks under 32 MiB for reuse, process-wide (see module doc). Idempotent.
 
     Returns:
-        Whether the C library took both settings.
+        Whether the C library took both settings (False under another C
+        library or allocator, whose `mallopt` refuses or ignores them).
     """
     global _kept
     library = _c_library()
     if not _kept and library:
-        _kept = bool(library.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-                     and library.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        mapped = library.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        trimmed = library.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+        _kept = bool(mapped and trimmed)
     return _kept
 
 

@@ -9,14 +9,12 @@ from kdist.rpc import dtypes
 
 
 def make_variable(name, array, trainable):
-    """Returns a CPU `keras.Variable` holding `array` (shares its memory unless large: `memory`)."""
+    """Returns a CPU `keras.Variable` holding `array` (shares its memory: NumPy advises large arrays for huge pages)."""
     # Keras variable names may not contain "/"; the store keys by the real name.
     keras_name = name.replace("/", "_").replace(":", "_")
     with keras.device("cpu"):
-        variable = keras.Variable(dtypes.to_torch(array), dtype=array.dtype.name,
-                                  trainable=trainable, name=keras_name)
-    memory.move_variable(variable)
-    return variable
+        return keras.Variable(dtypes.to_torch(array), dtype=array.dtype.name,
+                              trainable=trainable, name=keras_name)
 
 
 class _Storage:
@@ -95,7 +93,7 @@ class VariableEntry:
 
     def replace_value(self, array):
         """Under `lock`: makes the (fresh, C-contiguous) `array` the variable's memory."""
-        self._adopt(memory.moved(dtypes.to_torch(array)))
+        self._adopt(dtypes.to_torch(array))
 
     def _adopt(self, tensor):
         self.variable.value.data = tensor
