@@ -328,7 +328,8 @@ def main():
                               "rows": args.rows, "ms_per_step": round(ms, 2),
                               "ms_per_step_by_round": [round(v, 2) for v in values],
                               "ratio_vs_tf_ps": round(tf_ms / ms, 3) if tf_ms else None,
-                              "cpu_ms_per_step": {process: round(statistics.median(v), 2) for process, v in cpu[name].items()},
+                              "cpu_ms_per_step": {process: round(statistics.median(per_round), 2)
+                                                  for process, per_round in cpu[name].items()},
                               "commit": scale.git_commit(), **scale.environment()}), flush=True)
 
 

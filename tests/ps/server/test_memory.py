@@ -21,6 +21,7 @@ pytestmark = [
                        reason="transparent huge pages are a Linux kernel feature, absent here"),
 ]
 
+
 def _glibc():
     try:
         return bool(os.confstr("CS_GNU_LIBC_VERSION"))
