@@ -5,7 +5,7 @@ import warnings
 
 from . import worker_service_pb2 as worker__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.74.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in worker_service_pb2_grpc.py depends on'
+        + f' but the generated code in worker_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class WorkerServiceStub:
+class WorkerServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -51,7 +51,7 @@ class WorkerServiceStub:
                 _registered_method=True)
 
 
-class WorkerServiceServicer:
+class WorkerServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Health(self, request, context):
@@ -101,7 +101,7 @@ def add_WorkerServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class WorkerService:
+class WorkerService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -5,7 +5,7 @@ import warnings
 
 from . import variable_service_pb2 as variable__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.74.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in variable_service_pb2_grpc.py depends on'
+        + f' but the generated code in variable_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class VariableServiceStub:
+class VariableServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -96,7 +96,7 @@ class VariableServiceStub:
                 _registered_method=True)
 
 
-class VariableServiceServicer:
+class VariableServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Create(self, request_iterator, context):
@@ -254,7 +254,7 @@ def add_VariableServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class VariableService:
+class VariableService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
