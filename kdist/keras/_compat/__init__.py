@@ -8,7 +8,8 @@ message naming it instead of breaking training silently.
 
 This module holds the trainer, variable and data internals; the others, by job:
 `optimizers`, `callbacks` (`BackupAndRestore`), `layers` (`BatchNormalization`,
-float8) and `losses` (loss reductions). Everything is re-exported here, so
+float8), `losses` (loss reductions) and `variable_writes` (where every variable
+write passes). Everything is re-exported here, so
 callers write `_compat.<name>`.
 """
 
@@ -26,6 +27,7 @@ from kdist.keras._compat import callbacks as _callbacks
 from kdist.keras._compat import layers as _layers
 from kdist.keras._compat import losses as _losses
 from kdist.keras._compat import optimizers as _optimizers
+from kdist.keras._compat import variable_writes as _variable_writes
 from kdist.keras._compat.callbacks import (  # noqa: F401
     BackupPaths,
     backup_metadata,
@@ -41,6 +43,7 @@ from kdist.keras._compat.layers import (  # noqa: F401
     set_batchnorm_moments,
 )
 from kdist.keras._compat.losses import install_loss_reduction_observer, loss_reduction_denominator  # noqa: F401
+from kdist.keras._compat.variable_writes import install_variable_write_hook  # noqa: F401
 from kdist.keras._compat.tensorboard import redirect_construction as redirect_tensorboard_construction  # noqa: F401
 from kdist.keras._compat.optimizers import (  # noqa: F401
     clip_gradients,
@@ -99,7 +102,8 @@ _PINNED = {
 }
 
 
-PINNED_INTERNALS = {**_PINNED, **_callbacks.PINNED, **_layers.PINNED, **_losses.PINNED, **_optimizers.PINNED}
+PINNED_INTERNALS = {**_PINNED, **_callbacks.PINNED, **_layers.PINNED, **_losses.PINNED, **_optimizers.PINNED,
+                     **_variable_writes.PINNED}
 
 
 def _probe_name_scope_stack():

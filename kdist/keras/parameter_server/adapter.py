@@ -17,6 +17,9 @@ worker's steps and the chief's driver never import each other:
 - on the coordinator (`strategy.extended.drives_workers`), `fit` and
   `evaluate` schedule closures onto the workers
   (`kdist.keras.parameter_server.chief_fit`);
+- `save`/`save_weights` read the servers' state into the local copies, a
+  refresh that `kdist.keras.parameter_server.variable_writes` does not send
+  back; every other write of a variable the servers hold reaches them there;
 - everything else runs locally against the servers
   (`kdist.keras.parameter_server.worker_steps.local_call`), one step per
   execution for the single-batch calls and `predict`.
@@ -26,7 +29,8 @@ import inspect
 
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
 from kdist.keras import adapters, atomic_save, chief_only
-from kdist.keras.parameter_server import chief_fit, remote_tables, worker_runtime, worker_steps
+from kdist.keras import _compat
+from kdist.keras.parameter_server import chief_fit, remote_tables, variable_writes, worker_runtime, worker_steps
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.replica.adapter import ReplicaAdapter
 
@@ -41,6 +45,7 @@ class ParameterServerAdapter(ReplicaAdapter):
     def attach(self, model):
         super().attach(model)
         worker_steps.connect_optimizer(model, self.strategy)
+        variable_writes.watch(self.strategy, getattr(model, "optimizer", None))
         # After the replica engine's overrides: pull first, push last around them.
         worker_steps.wrap_step_functions(model, self.strategy)
 
@@ -65,6 +70,9 @@ class ParameterServerAdapter(ReplicaAdapter):
                 session.pull(include_row_sparse=True)
                 for route in marked:
                     route.row_sparse = route.remote  # a table the servers hold stays read by rows
+        if name in ("save", "save_weights"):
+            with variable_writes.internal():  # reads the servers' state into the local copies
+                return worker_steps.local_call(method, model, name, args, kwargs)
         if name in _ONE_STEP_CALLS:
             with chief_fit.one_step_per_execution(model):
                 return worker_steps.local_call(method, model, name, args, kwargs)
@@ -76,10 +84,13 @@ class ParameterServerAdapter(ReplicaAdapter):
         if not worker_steps.pushes(optimizer):
             worker_steps.check_local_update(optimizer, variables, self.strategy)
             return super().apply_gradients(optimizer, gradients, variables)
-        return worker_steps.push_update(optimizer, gradients, variables)
+        with variable_writes.internal():  # counts the pushed update in the local optimizer
+            return worker_steps.push_update(optimizer, gradients, variables)
 
     def on_variable_created(self, variable):
         worker_steps.on_variable_created(variable, self.strategy)
+        # Writes of it (or of this optimizer's slots) go to the servers from now on.
+        variable_writes.watch(self.strategy, _compat.variable_owner())
 
     def on_variable_initializing(self, variable, initializer):
         return remote_tables.placeholder_for(variable, initializer, self.strategy)
@@ -110,4 +121,5 @@ def _task_callbacks(method, name, args, kwargs, strategy):
 def install():
     """Registers `ParameterServerAdapter`; workers started in this process build Keras resources."""
     worker_runtime.install()
+    variable_writes.install()
     adapters.register(ParameterServerStrategy, ParameterServerAdapter)

@@ -14,7 +14,8 @@ other use of a `RemoteTable` reads or writes the servers, never the stand-in:
 
 - outside a step, reading it (`numpy()`, `get_weights`, `save`, `model(x)`)
   fetches the whole table from its shards for that one operation, and writing
-  it (`assign`, `set_weights`, `load_weights`) sends the whole value to them;
+  it (`assign`, `set_weights`, `load_weights`) sends the whole value to them,
+  by the way every variable write goes (`variable_writes`);
   a gradient that would reach it there is refused when backward runs;
 - inside a step, a use other than a lookup (a regularizer, a matmul) makes it
   an ordinary variable from then on, read whole (as for any row-read table);
@@ -109,11 +110,17 @@ class RemoteTable(torch.nn.Parameter):
         return whole
 
     def write(self, whole):
-        """Makes `whole` the table's value: on the servers, or locally for an optimizer slot."""
+        """Makes `whole` the table's value: on the servers, or locally for an optimizer slot.
+
+        A Keras `assign` never gets here (`kdist.keras.parameter_server.variable_writes`
+        sends it first); an in-place torch op on the tensor does, and is sent the same way.
+        """
         if self.route is None:
             self.materialise(whole)
         else:
-            self.router.assign_whole(self.route, whole.detach())
+            from kdist.keras.parameter_server import variable_writes  # it reads tables: imported late
+
+            variable_writes.write_table(self, whole.detach())
 
     def materialise(self, whole):
         """Makes this tensor an ordinary `torch.nn.Parameter` holding `whole`, in place.
