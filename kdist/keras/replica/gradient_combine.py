@@ -83,6 +83,9 @@ def combine_call(engine, call_index, replicas, variables, gradient_lists, weight
     faults = engine.faults
     processes = engine.processes
     device = engine.devices[0].torch_device
+    if getattr(weights, "global_divisor", False) is not False:
+        # Replicas whose float8 steps divided by the global count: their gradients add up.
+        weights = float8_sync.gradient_weights(engine.state.float8, weights)
     if faults.unweighted_gradient_mean:
         num_global = engine.strategy.num_replicas_in_sync
         weights = [1.0 / num_global if w > 0 else 0.0 for w in weights]

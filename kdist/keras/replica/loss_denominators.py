@@ -23,6 +23,12 @@ divides by the element count, which grows with n_k):
   divisors differ (several outputs with different masks, say), or no loss at
   all (the engine's own `reduction="sum"` rule applies then).
 
+float8 steps (`kdist.keras.replica.float8_sync`) may ask a replica to divide
+its losses by the global batch's count instead (`use_global_divisor`): its
+gradients are then exactly plain Keras' for its samples, the replicas'
+gradients are added, and `take()` returns `GLOBAL` (or `INCONSISTENT` where
+one of the step's reductions could not be rescaled, or penalties were added).
+
 Thread-safe: the recording is per thread.
 """
 
@@ -31,8 +37,25 @@ import threading
 import torch
 
 from kdist.keras import _compat
+from kdist.keras._compat import layers as _compat_layers
 
 _local = threading.local()
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+class _Marker:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"loss_denominators.{self.name}"
+
+
+# What `take()` returns for a replica whose losses divided by the global count:
+# every reduction did (GLOBAL), or only some did or penalties were added (INCONSISTENT).
+GLOBAL = _Marker("GLOBAL")
+INCONSISTENT = _Marker("INCONSISTENT")
 
 
 class ReplicaWeights(list):
@@ -44,6 +67,8 @@ class ReplicaWeights(list):
     `total` is the global batch size N.
     """
 
+    global_divisor = False
+
     def __init__(self, weights, sample_shares, total):
         super().__init__(weights)
         self.sample_shares = list(sample_shares)
@@ -54,11 +79,26 @@ def begin():
     """Starts recording the divisors of the losses computed in this thread (resets)."""
     _compat.install_loss_reduction_observer(_observe)
     _local.records = []
+    _local.global_divisor = None
 
 
 def end():
     """Stops recording in this thread."""
     _local.records = None
+    _local.global_divisor = None
+
+
+def use_global_divisor(scope, share):
+    """Until `end()`, this thread's element-count losses divide by the global batch's count.
+
+    Args:
+        scope: the replica's `keras.StatelessScope` (penalties it collects
+            make the step `INCONSISTENT`).
+        share: the replica's share of the global batch's samples, `n_k / N`.
+    """
+    _compat.install_loss_reduction_observer(_observe)
+    _compat_layers.install_loss_reduction_divisor(_global_divisor_for)
+    _local.global_divisor = (scope, share)
 
 
 def take():
@@ -78,9 +118,11 @@ def take():
 
 
 def peek():
-    """What `take()` would return now, without resetting (None outside recording)."""
+    """What `take()` would return now, without resetting (None outside recording or under `use_global_divisor`)."""
     records = getattr(_local, "records", None)
-    return None if records is None else _summarise(records)
+    if records is None or getattr(_local, "global_divisor", None) is not None:
+        return None
+    return _summarise(records)
 
 
 def current_records():
@@ -99,6 +141,14 @@ def summarise(records):
 
 
 def _summarise(records):
+    global_divisor = getattr(_local, "global_divisor", None)
+    if global_divisor is not None:
+        # No Keras loss at all (a train_step reducing by itself) is inconsistent too.
+        rescaled = [record[2] for record in records]
+        if rescaled and all(rescaled) and not global_divisor[0].losses:
+            return GLOBAL
+        return INCONSISTENT
+    records = [record[:2] for record in records]
     if not records or any(denominator is None for denominator, _ in records):
         return None
     if all(counts_elements for _, counts_elements in records):
@@ -126,11 +176,19 @@ def replica_weights(denominators, sizes, total=None, sum_over_processes=None):
 
     Returns:
         A `ReplicaWeights`: `D_k / Σ D` when every replica's divisor is known
-        and `Σ D > 0` (over all processes), else `n_k / N`.
+        and `Σ D > 0` (over all processes), else `n_k / N`. Its
+        `global_divisor` is True where every active replica's losses divided
+        by the global count (`GLOBAL`: their gradients add up, and the weights
+        are `n_k / N`, those of element counts), None where some replica's
+        could not (`INCONSISTENT`), else False.
     """
     total = sum(sizes) if total is None else total
     shares = [n / total for n in sizes]
     fallback = ReplicaWeights(shares, shares, total)
+    markers = [d for d, n in zip(denominators, sizes) if n > 0 and d in (GLOBAL, INCONSISTENT)]
+    if markers:
+        fallback.global_divisor = True if all(d is GLOBAL for d in markers) else None
+        return fallback
     if all(d is None for d in denominators):
         return fallback
     local = [0.0 if n == 0 else _host_value(d) for d, n in zip(denominators, sizes)]
@@ -153,4 +211,28 @@ def _observe(values, sample_weight, mask, reduction, dtype):
     records = getattr(_local, "records", None)
     if records is None:
         return
-    records.append(_compat.loss_reduction_denominator(values, sample_weight, mask, reduction, dtype))
+    denominator, counts_elements = _compat.loss_reduction_denominator(values, sample_weight, mask, reduction, dtype)
+    records.append((denominator, counts_elements, False))
+
+
+def _global_divisor_for(values, sample_weight, mask, reduction):
+    """The global batch's element count for an element-count mean of this thread's replica (else None).
+
+    Runs right after `_observe` saw the same reduction, and marks its record.
+    """
+    global_divisor = getattr(_local, "global_divisor", None)
+    records = getattr(_local, "records", None)
+    if global_divisor is None or not records:
+        return None
+    denominator, counts_elements, _ = records[-1]
+    if not counts_elements or reduction not in _MEAN_REDUCTIONS:
+        return None
+    shape = tuple(values.shape)
+    if not shape or shape[0] == 0:
+        return None
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    # count = n_k * (entries per sample): the global batch has N / n_k times as many.
+    records[-1] = (denominator, counts_elements, True)
+    return float(round(count / global_divisor[1]))
