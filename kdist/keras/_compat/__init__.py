@@ -48,6 +48,8 @@ from kdist.keras._compat.tensorboard import redirect_construction as redirect_te
 from kdist.keras._compat.optimizers import (  # noqa: F401
     clip_gradients,
     gradient_accumulators,
+    iterations_variable,
+    learning_rate_variable,
     optimizer_step_count,
     optimizer_trainable_variables,
 )

@@ -6,6 +6,7 @@ PINNED = {
     "BaseOptimizer._clip_gradients": lambda: keras.optimizers.SGD()._clip_gradients,
     "BaseOptimizer._trainable_variables": lambda: keras.optimizers.SGD()._trainable_variables,
     "BaseOptimizer._iterations": lambda: keras.optimizers.SGD()._iterations,
+    "BaseOptimizer._learning_rate": lambda: keras.optimizers.SGD()._learning_rate,
     "BaseOptimizer._accumulated_gradients": lambda: _probe_accumulating_optimizer()._accumulated_gradients,
     "BaseOptimizer._get_variable_index": lambda: _probe_accumulating_optimizer()._get_variable_index,
 }
@@ -14,6 +15,17 @@ PINNED = {
 def optimizer_trainable_variables(optimizer):
     """The variables a built optimizer applies to when `apply` gets no variables."""
     return optimizer._trainable_variables
+
+
+def iterations_variable(optimizer):
+    """The variable behind `optimizer.iterations` (which is computed from it when accumulating)."""
+    return optimizer._iterations
+
+
+def learning_rate_variable(optimizer):
+    """The variable holding the optimizer's learning rate, or None (a `LearningRateSchedule`, a callable)."""
+    value = optimizer._learning_rate
+    return value if isinstance(value, keras.Variable) else None
 
 
 def optimizer_step_count(optimizer):

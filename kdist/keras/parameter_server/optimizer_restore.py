@@ -18,8 +18,6 @@ current partitioning, so a backup restores on any number of servers
 
 import contextlib
 
-from kdist.keras.parameter_server import variable_writes
-
 
 @contextlib.contextmanager
 def sending_loaded_state(session, optimizer):
@@ -29,6 +27,9 @@ def sending_loaded_state(session, optimizer):
         session: the model's `PSSession` (unused: every write finds its servers).
         optimizer: the model's optimizer, or None (unused, likewise).
     """
+    # Imported here: worker_steps imports this module, and variable_writes imports worker_steps.
+    from kdist.keras.parameter_server import variable_writes
+
     del session, optimizer
     with variable_writes.writing("model.load_weights()"):
         yield

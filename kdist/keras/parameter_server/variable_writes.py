@@ -45,10 +45,17 @@ import threading
 import weakref
 
 import keras
+import torch
 
 from kdist.distribute.parameter_server.route import to_numpy
+from kdist.errors import ParameterServerError, UnsupportedError
 from kdist.keras import _compat
+from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.keras.parameter_server import remote_tables, worker_steps
+
+# kdist's own marker of a step function running in this thread (not a Keras
+# internal); worker_steps would better export it as `current_step`.
+from kdist.keras.parameter_server.worker_steps import _current_step
 
 _local = threading.local()  # .internal: depth of internal(); .unit: the open _Unit or None
 _lock = threading.Lock()
@@ -120,7 +127,7 @@ def _on_write(variable, value, write_locally):
     if target is None:
         return write_locally(variable, value)
     kind = target[0]
-    in_step = worker_steps._current_step() is not None
+    in_step = _current_step() is not None
     if in_step and (kind != "model" or not target[2].trainable):
         # Step state: its push sends non-trainable values; the servers apply the optimizer.
         return write_locally(variable, value)
@@ -140,7 +147,7 @@ def _call_scope(obj, call):
         target = _target_of(obj)
         if target is None:
             return None
-        if target[0] == "model" and getattr(_local, "unit", None) is None and worker_steps._current_step() is None:
+        if target[0] == "model" and getattr(_local, "unit", None) is None and _current_step() is None:
             _, router, route = target
             # Adds to the servers' value, not to a copy other workers have moved past.
             router.pull([route], include_row_sparse=True)
@@ -149,7 +156,7 @@ def _call_scope(obj, call):
 
 def _target_of(variable):
     """`("model", router, route)`, `("slot", optimizer, reference id, server slot name)`,
-    `("iterations", optimizer)`, or None for a variable no server holds."""
+    `("iterations", optimizer)`, `("learning_rate", optimizer)`, or None for a variable no server holds."""
     for ref in _routers:
         router = ref()
         route = None if router is None else router.route(variable)
@@ -162,8 +169,10 @@ def _target_of(variable):
         key = _slot_keys(optimizer).get(id(variable))
         if key is not None:
             return ("slot", optimizer) + key
-        if variable is optimizer.iterations:
+        if variable is _compat.iterations_variable(optimizer):
             return ("iterations", optimizer)
+        if variable is _compat.learning_rate_variable(optimizer):
+            return ("learning_rate", optimizer)
     return None
 
 
@@ -196,15 +205,16 @@ class _Unit:
             stand_in = remote_tables.of(variable) is not None  # a table's slot held by the servers
             before = None if stand_in else variable.value.detach().clone()
             self.previous[id(variable)] = (variable, before, write_locally)
+        unchanged = kind == "learning_rate" and bool(torch.equal(variable.value.detach(), value.to(variable.value)))
         write_locally(variable, value)
         if kind == "model":
             self.routes[id(target[2])] = target[1:] + (variable,)
-        else:
-            written = self.slots.setdefault(target[1], {"keys": set(), "iterations": False})
+        elif not unchanged:
+            written = self.slots.setdefault(target[1], {"keys": set(), "iterations": False, "learning_rate": False})
             if kind == "slot":
                 written["keys"].add(target[2:])
             else:
-                written["iterations"] = True
+                written[kind] = True
         return None
 
     def send(self):
@@ -259,6 +269,10 @@ def _send_optimizer_state(optimizer, written):
     """Replaces the servers' optimizer state of the variables whose slots (or iterations) were written."""
     session = optimizer._kdist_ps_session
     router = session.router
+    if written["learning_rate"]:
+        _send_learning_rate(optimizer, session)
+    if not (written["keys"] or written["iterations"]):
+        return
     by_id = {id(route.variable): route for route in router.all_routes() if route.trainable}
     reference_ids = {reference for reference, _ in written["keys"]}
     if written["iterations"]:
@@ -278,6 +292,33 @@ def _send_optimizer_state(optimizer, written):
                 slots[name] = to_numpy(optimizer._kdist_ps_slots[(reference, name)].value)
         loaded.append((iterations if written["iterations"] else server_iterations, slots))
     router.load_optimizer_state(routes, loaded)
+
+
+def _send_learning_rate(optimizer, session):
+    """A new learning rate reaches servers that have no optimizer yet; servers that have one refuse it.
+
+    Their optimizer was rebuilt from the config once (`configure_optimizer`);
+    a different learning rate is another config, which they refuse rather
+    than let workers disagree.
+
+    Raises:
+        kdist.errors.UnsupportedError: a server already applies another learning rate.
+    """
+    routes = [route for route in session.routes() if route.trainable]
+    if not routes:
+        return
+    try:
+        session.router.configure_optimizer(server_optimizer_config(optimizer), routes)
+    except ParameterServerError as error:
+        if error.code_name != "FAILED_PRECONDITION":
+            raise
+        raise UnsupportedError(
+            "The parameter servers already apply this optimizer with the learning rate it had "
+            "when training started, and cannot take a new one: their optimizer is rebuilt from "
+            f"its config once. Received: a new value of {optimizer.name!r}'s learning rate. Give "
+            "the optimizer a keras.optimizers.schedules.LearningRateSchedule instead (the servers "
+            "compute it from their step count), or set the learning rate before the first step."
+        ) from error
 
 
 def _creation_order(by_id):

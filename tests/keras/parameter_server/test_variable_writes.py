@@ -300,3 +300,21 @@ def test_a_coordinator_chief_writes_reach_the_servers_its_workers_train_on():
         model.get_layer("dense").bias.assign_add(np.ones((2,), "float32"))
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         np.testing.assert_array_equal(model.get_layer("dense").bias.numpy(), SEVEN + 1)
+
+
+def test_a_new_learning_rate_reaches_servers_before_training_and_is_refused_after():
+    x, y = _data()
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        with strategy.scope():
+            model = _dense_model()
+            model.compile(keras.optimizers.SGD(0.5), "mse")
+        model.set_weights(_sevens(model))
+        model.optimizer.learning_rate = 0.0  # before the first step: the servers take it
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        for weight in model.get_weights():
+            np.testing.assert_array_equal(weight, SEVEN)
+        with pytest.raises(UnsupportedError, match="LearningRateSchedule") as error:
+            model.optimizer.learning_rate = 0.3
+        assert "learning_rate" in str(error.value.__notes__)
+        assert float(model.optimizer.learning_rate.numpy()) == 0.0
