@@ -4,20 +4,34 @@ One mechanism serves `keras.layers.Embedding` and any layer that reads a
 table with `keras.ops.take(table, ids, axis=0)`, whether the model runs on
 its variables (one device), on the replica engine's per-replica mappings
 (several local devices: `keras.StatelessScope`), in a coordinator's
-closures or in a `schedule()`d custom loop: both read the table as the torch
-tensor `variable.value` returns (the replica's mapping in a stateless scope)
-and pass it to `torch.nn.functional.embedding` (2-D tables) or
+closures, in a `schedule()`d custom loop or in a worker's own custom loop
+(`strategy.run` between-graph): all read the table as the torch tensor
+`variable.value` returns (the replica's mapping in a stateless scope) and
+pass it to `torch.nn.functional.embedding` (2-D tables) or
 `torch.index_select(table, 0, ids)`. While a step runs, `row_lookups()`
 installs a `TorchFunctionMode` that recognises a table tensor there and
 answers from the servers instead (`VariableRouter.lookup`: the distinct
-ids, one request per server). The rows come back as a fresh leaf tensor;
-when backward reaches it, a hook adds its gradient to the table tensor's
-`.grad` as a sparse COO tensor shaped like the table. Whatever reads
-`variable.value.grad` next (Keras' `train_step`, a custom loop, each replica
-of the replica engine) hands that to `optimizer.apply`; the replica
-engine's weighted sum works on it unchanged (rows looked up by several
-replicas: union of ids, gradients summed), and the push carries only those
-rows (`VariableRouter.send_gradients`, duplicate ids summed by `rows_of`).
+ids, one request per server).
+
+The rows come back as the output of an autograd function (`_RowLookup`)
+whose input is the table tensor itself, so the table is in the autograd
+graph as it is on one device, and whose backward gives the table a sparse
+COO gradient shaped like it (the looked-up ids, one row each). Every form of
+gradient therefore works unchanged: `loss.backward()` leaves it in
+`variable.value.grad` (several lookups add up), `torch.autograd.grad(loss,
+[v.value for v in model.trainable_variables])` returns it (the TensorFlow
+tutorials' `tape.gradient`, renamed), `create_graph=True` differentiates it
+again exactly. Whatever hands it to `optimizer.apply` (Keras' `train_step`,
+a custom loop, each replica of the replica engine, whose weighted sum works
+on it unchanged) pushes only those rows (`VariableRouter.send_gradients`,
+duplicate ids summed by `rows_of`); a dense gradient for such a table is
+refused (`kdist.keras.parameter_server.worker_steps`).
+
+Where the block is opened: around every step function and coordinator
+closure (`worker_steps`, `worker_runtime`), and, for a worker's own custom
+loop, around the call of each layer that owns a table while a replica
+function of the strategy runs (`read_tables_in_replicas`). A plain
+`model(x)` outside `strategy.run` reads the table whole (`remote_tables`).
 
 Tables (`mark_tables`): `Embedding` tables and row-partitioned trainable
 variables of two or more dimensions. A table that a step uses any other way
@@ -37,6 +51,7 @@ import keras
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kdist.distribute import context as distribute_context
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat
 from kdist.keras.parameter_server import remote_tables
@@ -49,6 +64,8 @@ _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "__len__", 
                        "requires_grad_", "__repr__", "__format__", "__hash__"})
 # Functions whose result is the same table (another device or a view of the same memory).
 _ALIASES = frozenset({"to", "detach", "contiguous", "cpu", "cuda"})
+# Autograd's entry points take a table as what to differentiate with respect to: no read.
+_AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)
 
 
 def mark_tables(model, router):
@@ -57,8 +74,8 @@ def mark_tables(model, router):
     Returns:
         The `Route`s this call marked (those not row-read before it).
     """
-    marked = []
-    for layer in [model, *_compat.sublayers(model)]:
+    marked, owners = [], {}
+    for layer in [model, *_compat.sublayers(model)]:  # depth first: a table's innermost layer comes last
         is_embedding = isinstance(layer, keras.layers.Embedding)
         if is_embedding and (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)):
             continue
@@ -71,13 +88,43 @@ def mark_tables(model, router):
                     marked.append(route)
                 route.row_sparse = True
                 route.layer_name = layer.name
+                owners[id(route)] = layer
         if is_embedding and router.route(layer.embeddings) is not None:
             _check_embedding_inputs(layer)
+    for layer in {id(layer): layer for layer in owners.values()}.values():
+        read_tables_in_replicas(layer, router)
     return marked
 
 
+def read_tables_in_replicas(layer, router):
+    """Makes `layer`'s calls inside a replica function (`strategy.run`) look its tables' rows up.
+
+    For a worker's own custom loop: steps and coordinator closures open
+    `row_lookups` themselves (then this does nothing). The mode is needed only
+    while the rows are read; the gradient reaches the table through autograd.
+    Idempotent.
+    """
+    if getattr(layer, "_kdist_reads_rows_in_replicas", False):
+        return
+    original_call = layer.call
+
+    def call(*args, **kwargs):
+        if getattr(_local, "active", False) or not _in_replica_function():
+            return original_call(*args, **kwargs)
+        routes = [route for weight in layer.weights if (route := router.route(weight)) is not None]
+        with row_lookups(router, routes):
+            return original_call(*args, **kwargs)
+
+    object.__setattr__(layer, "call", call)
+    object.__setattr__(layer, "_kdist_reads_rows_in_replicas", True)
+
+
+def _in_replica_function():
+    return distribute_context.has_strategy() and distribute_context.get_replica_context() is not None
+
+
 def mark_variable(variable, router):
-    """Makes one remote variable row-read when it is a row-partitioned trainable table."""
+    """Makes one remote variable row-read when it is a row-partitioned trainable table (a coordinator's worker)."""
     route = router.route(variable)
     if route is not None and _is_partitioned_table(route):
         route.row_sparse = True
@@ -181,7 +228,7 @@ class _LookupMode(TorchFunctionMode):
             if route is not None and dim == 0:
                 return self._lookup(route, args[0], args[2] if len(args) > 2 else kwargs["index"])
         name = getattr(func, "__name__", "")
-        if name not in _METADATA:
+        if name not in _METADATA and func not in _AUTOGRAD:
             arguments = remote_tables.flat_arguments(args, kwargs)
             used = [route for value in arguments if (route := self._table(value, stateless)) is not None]
             if used:
@@ -205,13 +252,36 @@ class _LookupMode(TorchFunctionMode):
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows, versions = self._router.lookup(route, unique)
         rows = rows.to(device=weight.device, dtype=weight.dtype)
-        if torch.is_grad_enabled() and route.trainable:
-            rows.requires_grad_(True)
-            rows.register_hook(_sparse_gradient_into(weight, unique))
-            known = route.lookup_versions
-            for position, version in versions.items():
-                known[position] = min(version, known.get(position, version))
-        return rows[inverse].reshape(tuple(indices.shape) + tuple(rows.shape[1:]))
+        shape = tuple(indices.shape) + tuple(rows.shape[1:])
+        if not (torch.is_grad_enabled() and route.trainable and weight.requires_grad):
+            return rows[inverse].reshape(shape)
+        known = route.lookup_versions
+        for position, version in versions.items():
+            known[position] = min(version, known.get(position, version))
+        return _RowLookup.apply(weight, rows, inverse, _sparse_gradient_into(weight, unique)).reshape(shape)
+
+
+class _RowLookup(torch.autograd.Function):
+    """`rows[inverse]`, differentiable with respect to the table `weight` the rows were looked up from.
+
+    Backward gives `weight` a sparse COO gradient holding the looked-up rows
+    only (`_sparse_gradient_into`), as `torch.nn.functional.embedding(...,
+    sparse=True)` does; its computation is differentiable (`create_graph`).
+    """
+
+    @staticmethod
+    def forward(ctx, weight, rows, inverse, table_gradient):
+        ctx.num_rows, ctx.table_gradient = rows.shape[0], table_gradient
+        ctx.save_for_backward(inverse)
+        return rows[inverse]
+
+    @staticmethod
+    def backward(ctx, gradient):
+        (inverse,) = ctx.saved_tensors
+        # Duplicate ids of the batch summed into one row each (as the dense gradient would).
+        summed = torch.zeros((ctx.num_rows, *gradient.shape[1:]), dtype=gradient.dtype, device=gradient.device)
+        summed = summed.index_add(0, inverse.to(gradient.device), gradient)
+        return ctx.table_gradient(summed), None, None, None
 
 
 def _current_tensor(variable):
@@ -225,13 +295,15 @@ def _who(route):
 
 
 def _sparse_gradient_into(weight, ids):
-    def hook(gradient):
-        sparse = torch.sparse_coo_tensor(ids[None].to(gradient.device), gradient, size=tuple(weight.shape),
-                                         check_invariants=False)
-        # Two lookups of one table in a step: their ids side by side, summed by `rows_of`.
-        weight.grad = sparse if weight.grad is None else weight.grad + sparse
+    """The function that makes `weight`'s gradient from its looked-up rows' (`ids`, one summed row each)."""
+    shape = tuple(weight.shape)
 
-    return hook
+    def table_gradient(gradient):
+        # Two lookups of one table in a step: autograd adds their sparse gradients (ids side
+        # by side, summed by `rows_of`).
+        return torch.sparse_coo_tensor(ids[None].to(gradient.device), gradient, size=shape, check_invariants=False)
+
+    return table_gradient
 
 
 def rows_of(gradient):

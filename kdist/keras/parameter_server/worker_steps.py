@@ -13,9 +13,9 @@ What changes for a model attached to a parameter-server strategy:
   (BatchNorm statistics). The servers apply the optimizer, rebuilt from its
   config, under a per-variable lock;
 - tables on parameter servers (`Embedding` tables, row-partitioned variables
-  read with `ops.take`) are read by rows: a step pulls the rows its batch
-  uses and pushes only their gradients, on any number of local devices
-  (`kdist.keras.parameter_server.embeddings`);
+  read with `ops.take`) are read by rows: a step (custom loops' too) pulls the
+  rows its batch uses and pushes only their sparse gradients, never a dense
+  one (`kdist.keras.parameter_server.embeddings`);
 - `fit` ends, and `save`/`save_weights` start, by reading the servers' state
   (weights and optimizer slots) into the local model, so the file written is
   the parameter servers' current state and loads in plain Keras. Only the
@@ -57,6 +57,10 @@ def on_variable_created(variable, strategy):
     owner = _compat.variable_owner()
     if _compat.is_model_variable(variable, owner):
         strategy.extended._on_variable_created(variable)
+        route = strategy.extended.variable_router.route(variable)
+        if route is not None and route.row_sparse and isinstance(owner, keras.layers.Layer):
+            # A table the servers hold: read by rows in a worker's own custom loop too.
+            ps_embeddings.read_tables_in_replicas(owner, strategy.extended.variable_router)
     elif isinstance(owner, keras.optimizers.Optimizer) and not pushes(owner):
         _connect_optimizer(owner, PSSession(None, strategy))
 
@@ -124,10 +128,11 @@ class PSSession:
                 targets.append((route, ids, versions))
             elif route.row_sparse and gradient is not None:
                 raise UnsupportedError(
-                    "A table that is read by row lookups received a full gradient, read outside a "
-                    f"step that kdist runs. Received: variable {variable.path!r}. Read it inside "
-                    "fit/evaluate/predict or a scheduled closure, where its reads are tracked."
-                )
+                    f"The table {variable.path!r} is read by rows from the parameter servers: its gradient "
+                    "must be the sparse row gradient autograd gives it, pushed as rows only. Received: a "
+                    f"dense gradient of shape {tuple(gradient.shape)} (it would send the whole table). Pass "
+                    "it as torch.autograd.grad or .grad returns it (no .to_dense()), computed inside fit, "
+                    "strategy.run or a scheduled closure, where the table is read by rows.")
             elif gradient is not None:
                 tensors.append(gradient)
                 targets.append((route, None, None))

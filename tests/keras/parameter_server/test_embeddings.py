@@ -1,15 +1,30 @@
-"""A 100,000 x 64 embedding table split over two parameter servers.
+"""Tables on parameter servers are read by rows, and custom loops train them exactly.
 
-It trains, and a step moves only the rows the batch looks up (asserted on the
-servers' byte counters), never the 25.6 MB table.
+A 100,000 x 64 embedding table split over two parameter servers trains, and a
+step moves only the rows the batch looks up (asserted on the servers' byte
+counters), never the 25.6 MB table.
+
+Custom loops over a 10^6-row table the servers hold (`torch.autograd.grad`
+over `v.value`, as TensorFlow's `tape.gradient` renamed, and `loss.backward()`
+with `.grad`), in a worker's own loop (between-graph) and in
+`ClusterCoordinator.schedule` closures: the table's gradient is a sparse row
+gradient, `apply_gradients` pushes its rows only (the servers count the bytes
+and the rows), and the result equals plain single-device Keras running the
+same loop (which computes a dense gradient). A dense gradient for such a
+table is refused, naming the variable and the rule.
 """
 
 import keras
 import numpy as np
 import pytest
+import torch
 
 import kdist
+import kdist.coordinator
 from kdist.distribute.parameter_server.partitioners import MinSizePartitioner
+from kdist.errors import UnsupportedError
+from kdist.keras.parameter_server import remote_tables
+from tests.coordinator import _cluster
 from tests.keras import _ps
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,3 +96,166 @@ def test_sharded_embedding_trains_and_moves_only_looked_up_rows(tmp_path):
         np.testing.assert_array_equal(trained[untouched], initial[untouched])
         # After fit, the local table holds the servers' values.
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(table), trained)
+
+
+# ----- custom loops over a table the servers hold -------------------------------------
+BIG_ROWS, BIG_DIM, BIG_STEPS = 1_000_000, 8, 3
+BIG_TABLE_BYTES = BIG_ROWS * BIG_DIM * 4
+
+
+def _build_big():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential(
+        [
+            keras.Input((IDS_PER_SAMPLE,), dtype="int64"),
+            keras.layers.Embedding(BIG_ROWS, BIG_DIM, name="emb"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+
+
+def _big_data(step):
+    rng = np.random.default_rng(step)
+    # Few distinct ids, so a batch repeats some: their rows' gradients are summed.
+    ids = (rng.integers(0, 40, size=(BATCH, IDS_PER_SAMPLE)) * 24_989 % BIG_ROWS).astype("int64")
+    return ids, (ids % 2).mean(axis=1, keepdims=True).astype("float32")
+
+
+def _custom_step(model, optimizer, form, ids, labels):
+    """One step of a custom loop: forward, the gradient in `form`, `apply_gradients`."""
+    loss = keras.ops.mean((model(torch.as_tensor(ids), training=True) - torch.as_tensor(labels)) ** 2)
+    variables = model.trainable_variables
+    if form == "autograd.grad":
+        gradients = torch.autograd.grad(loss, [v.value for v in variables])
+    else:
+        model.zero_grad()
+        loss.backward()
+        gradients = [v.value.grad for v in variables]
+    optimizer.apply_gradients(zip(gradients, variables))
+    return loss.detach()
+
+
+def _plain_big(form):
+    """Plain Keras on one device running the same loop: the table's gradient is dense there."""
+    model = _build_big()
+    optimizer = keras.optimizers.Adagrad(0.3)
+    for step in range(BIG_STEPS):
+        _custom_step(model, optimizer, form, *_big_data(step))
+    return model
+
+
+def _table_stats(stats, keys):
+    """`(bytes received, bytes sent, rows updated of the table's shards)` summed over the servers."""
+    rows = sum(server.variables[key].rows_updated for server in stats for key in keys if key in server.variables)
+    return sum(s.bytes_received for s in stats), sum(s.bytes_sent for s in stats), rows
+
+
+def _assert_step_moved_rows(before, after, ids):
+    touched = len(np.unique(ids))
+    received, sent = after[0] - before[0], after[1] - before[1]
+    row_bytes = touched * (BIG_DIM * 4 + 8)  # a row and its id
+    # Pushed: the touched rows' gradients (+ the small dense layer, ids, headers); read: the rows.
+    assert received < 2 * row_bytes + 8 * 1024, (received, touched)
+    assert sent < 2 * row_bytes + 8 * 1024, (sent, touched)
+    assert received < BIG_TABLE_BYTES / 1000
+    assert after[2] - before[2] == touched  # the servers applied exactly the touched rows
+    return received
+
+
+def _assert_equals_plain(strategy, model, plain):
+    table = model.get_layer("emb").embeddings
+    assert remote_tables.of(table) is not None  # still no local copy of the table
+    trained = strategy.extended.remote_view(table).numpy()
+    np.testing.assert_allclose(trained, keras.ops.convert_to_numpy(plain.get_layer("emb").embeddings), atol=1e-6)
+    for ours, theirs in zip(model.get_layer("out").get_weights(), plain.get_layer("out").get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
+
+
+def _big_partitioner():
+    return MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
+
+
+@pytest.mark.parametrize("form", ["autograd.grad", "backward"])
+def test_between_graph_custom_loop_pushes_rows_only_and_equals_plain_keras(form):
+    with _ps.in_process_servers(2) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver(), variable_partitioner=_big_partitioner())
+        with strategy.scope():
+            model = _build_big()
+            optimizer = keras.optimizers.Adagrad(0.3)
+        keys = strategy.extended.variable_router.route(model.get_layer("emb").embeddings).keys
+        assert len(keys) == 2
+        for step in range(BIG_STEPS):
+            ids, labels = _big_data(step)
+            before = _table_stats(cluster.stats(), keys)
+            strategy.run(_custom_step, args=(model, optimizer, form, ids, labels))
+            received = _assert_step_moved_rows(before, _table_stats(cluster.stats(), keys), ids)
+            print(f"{form} step {step}: {len(np.unique(ids))} rows, {received} bytes received by the servers")
+        _assert_equals_plain(strategy, model, _plain_big(form))
+
+
+@pytest.mark.parametrize("form", ["autograd.grad", "backward"])
+def test_scheduled_custom_loop_pushes_rows_only_and_equals_plain_keras(tmp_path, form):
+    with _cluster.start(num_workers=1, num_ps=2, tmp_path=tmp_path) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver(), variable_partitioner=_big_partitioner())
+        coordinator = kdist.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = _build_big()
+            optimizer = keras.optimizers.Adagrad(0.3)
+        keys = strategy.extended.variable_router.route(model.get_layer("emb").embeddings).keys
+
+        def worker_fn(ids, labels):
+            return strategy.run(_custom_step, args=(model, optimizer, form, ids, labels))
+
+        for step in range(BIG_STEPS):
+            ids, labels = _big_data(step)
+            before = _table_stats(cluster.ps_stats(), keys)
+            coordinator.schedule(worker_fn, args=(ids, labels)).fetch()  # one step at a time
+            _assert_step_moved_rows(before, _table_stats(cluster.ps_stats(), keys), ids)
+        coordinator.join()
+        _assert_equals_plain(strategy, model, _plain_big(form))
+        coordinator.shutdown()
+
+
+def test_second_order_gradients_through_a_table_equal_plain_keras():
+    """`create_graph=True`: a penalty on the table's own gradient differentiates through the lookup exactly."""
+
+    def penalised_step(model, optimizer, ids, labels):
+        loss = keras.ops.mean((model(torch.as_tensor(ids), training=True) - torch.as_tensor(labels)) ** 2)
+        variables = model.trainable_variables
+        first = torch.autograd.grad(loss, [v.value for v in variables], create_graph=True)
+        table_gradient = first[0].coalesce().values() if first[0].is_sparse else first[0]
+        total = loss + 10.0 * (table_gradient**2).sum()
+        optimizer.apply_gradients(zip(torch.autograd.grad(total, [v.value for v in variables]), variables))
+
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        with strategy.scope():
+            model = _build_big()
+            optimizer = keras.optimizers.Adagrad(0.3)
+        plain, plain_optimizer = _build_big(), keras.optimizers.Adagrad(0.3)
+        for step in range(2):
+            strategy.run(penalised_step, args=(model, optimizer, *_big_data(step)))
+            penalised_step(plain, plain_optimizer, *_big_data(step))
+        _assert_equals_plain(strategy, model, plain)
+
+
+def test_a_dense_gradient_for_a_table_is_refused_naming_it_and_nothing_is_pushed():
+    def densified_step(model, optimizer, ids, labels):
+        loss = keras.ops.mean((model(torch.as_tensor(ids), training=True) - torch.as_tensor(labels)) ** 2)
+        variables = model.trainable_variables
+        gradients = [g.to_dense() if g.is_sparse else g for g in torch.autograd.grad(loss, [v.value for v in variables])]
+        optimizer.apply_gradients(zip(gradients, variables))
+
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((IDS_PER_SAMPLE,), dtype="int64"), keras.layers.Embedding(1000, 4),
+                                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+            optimizer = keras.optimizers.SGD(0.1)
+        before = [s.applied_pushes for s in cluster.stats()]
+        ids, labels = _big_data(0)
+        with pytest.raises(UnsupportedError, match=r"(?s)'sequential.*/embeddings'.*dense gradient.*rows"):
+            strategy.run(densified_step, args=(model, optimizer, ids % 1000, labels))
+        assert [s.applied_pushes for s in cluster.stats()] == before
+        assert int(optimizer.iterations.numpy()) == 0
