@@ -101,6 +101,8 @@ class KerasWorkerRuntime(WorkerRuntime):
             config["jit_compile"] = False
             with strategy.scope():
                 model.compile(**config)
+        # Closures run the model's step functions without `fit`: what fit does first, done here.
+        _compat.track_torch_parameters(model)
         # Its tables are read by rows in every closure (`kdist.keras.parameter_server.embeddings`).
         ps_embeddings.mark_tables(model, strategy.extended.variable_router)
         return model

@@ -77,7 +77,10 @@ class ReplicaEngine:
         # Merge mode runs each replica in its own thread and stops them all at
         # every `optimizer.apply` or merge: from the start for synchronized
         # BatchNormalization, else from the first step that applies twice.
-        self._merge_mode = sync_batchnorm.needs_merge_mode(model)
+        # Decided by `forget_layout`, at the start of every call: an engine made
+        # when a model is attached at creation exists before Keras has tracked the
+        # model's layers (a subclass's own `__setattr__` may not have let it yet).
+        self._merge_mode = False
         # Multi-worker only: reduce during backward, and defer accumulation micro-steps.
         self.overlap = gradient_overlap.GradientOverlap(self)
         self._overlapped = None

@@ -50,14 +50,23 @@ class SampleCount(keras.metrics.Metric):
         return keras.ops.copy(self.count)  # not the variable itself: evaluate resets it later
 
 
-def build_model():
-    model = keras.Sequential(
-        [
-            keras.Input((12,)),
-            keras.layers.Dense(32, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
-            keras.layers.Dense(3),
-        ]
-    )
+MODEL_KINDS = ("sequential", "library")
+
+
+def build_model(model_kind="sequential"):
+    if model_kind == "library":
+        # Built as keras-hub builds its models (tests/keras/library_models.py).
+        from tests.keras import library_models
+
+        model = library_models.classifier(features=12, num_classes=3)
+    else:
+        model = keras.Sequential(
+            [
+                keras.Input((12,)),
+                keras.layers.Dense(32, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+                keras.layers.Dense(3),
+            ]
+        )
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -69,7 +78,7 @@ def build_model():
 INPUT_KINDS = ("arrays", "loader")
 
 
-def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED, input_kind="arrays"):
+def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED, input_kind="arrays", model_kind="sequential"):
     """Builds, trains, evaluates and predicts; returns a dict of numpy results.
 
     `input_kind="loader"` trains from a shuffling `torch.utils.data.DataLoader`
@@ -79,10 +88,10 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED, input_k
     keras.utils.set_random_seed(initial_seed)
     x, y = make_data()
     if strategy is None:
-        model = build_model()
+        model = build_model(model_kind)
     else:
         with strategy.scope():
-            model = build_model()
+            model = build_model(model_kind)
     if input_kind == "arrays":
         inputs = dict(x=x, y=y, batch_size=GLOBAL_BATCH, shuffle=True)
     elif input_kind == "loader":
@@ -156,6 +165,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--local-devices", type=int, default=1)
     parser.add_argument("--input", choices=INPUT_KINDS, default="arrays", help="what fit trains from")
+    parser.add_argument("--model", choices=MODEL_KINDS, default="sequential", help="how the model is built")
     args = parser.parse_args()
 
     import kdist
@@ -170,7 +180,7 @@ def main():
         communication_options=kdist.CommunicationOptions(timeout_seconds=args.timeout), devices=devices
     )
     rank = strategy.extended.collectives.rank
-    results = train(strategy, initial_seed=SEED + rank, input_kind=args.input)
+    results = train(strategy, initial_seed=SEED + rank, input_kind=args.input, model_kind=args.model)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
     print(f"rank {rank} of {strategy.extended.collectives.world_size} done", flush=True)
     return 0
