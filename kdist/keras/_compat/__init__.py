@@ -89,6 +89,7 @@ _PINNED = {
     "keras.src.backend.torch.core.to_torch_dtype": lambda: _torch_core_module.to_torch_dtype,
     "global_state name_scope_stack": lambda: _probe_name_scope_stack(),
     "Trainer._symbolic_build": lambda: Trainer._symbolic_build,
+    "Layer._track_variables (torch)": lambda: keras.Sequential()._track_variables,
     "Trainer._initial_epoch": lambda: keras.Sequential()._initial_epoch,
     "Trainer._flatten_metrics_in_order": lambda: Trainer._flatten_metrics_in_order,
     "keras.src.backend.torch.trainer.TorchTrainer.fit": lambda: TorchTrainer.fit,
@@ -325,3 +326,18 @@ def torch_device():
 def torch_dtype_of(variable):
     """A Keras variable's dtype as a `torch.dtype`."""
     return _torch_core_module.to_torch_dtype(variable.dtype)
+
+
+def track_torch_parameters(model):
+    """Registers every variable of `model` as its torch parameters again, as `fit` does before its first step.
+
+    Keras on torch records a layer's parameters when it is built; a model whose
+    class keeps its own `__setattr__` (keras-hub's backbones and tasks) is built
+    during its `__init__`, before its attributes are tracked, so that record is
+    an unregistered, empty one until `Trainer._symbolic_build` (run by `fit`,
+    `train_on_batch`, `evaluate`) records them again. A step function called
+    without them would never clear the parameters' gradients (`zero_grad` finds
+    none), and each step's gradient would add to the last ones.
+    """
+    if keras.backend.backend() == "torch":
+        model._track_variables()
