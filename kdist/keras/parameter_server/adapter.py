@@ -28,8 +28,7 @@ worker's steps and the chief's driver never import each other:
 import inspect
 
 from kdist.distribute.parameter_server.strategy import ParameterServerStrategy
-from kdist.keras import adapters, atomic_save, chief_only
-from kdist.keras import _compat
+from kdist.keras import _compat, adapters, atomic_save, chief_only
 from kdist.keras.parameter_server import chief_fit, remote_tables, variable_writes, worker_runtime, worker_steps
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.replica.adapter import ReplicaAdapter
