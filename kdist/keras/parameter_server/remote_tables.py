@@ -50,6 +50,9 @@ _DATA_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"})
 
 
+_AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)
+
+
 class RemoteTable(torch.nn.Parameter):
     """A Keras variable's stand-in for a table held by parameter servers (see module doc).
 
@@ -76,7 +79,10 @@ class RemoteTable(torch.nn.Parameter):
         if name == "__get__":
             name = "data" if getattr(getattr(func, "__self__", None), "__name__", "") in _DATA_PROPERTIES else "__get__"
         tables = [value for value in flat_arguments(args, kwargs) if isinstance(value, RemoteTable)]
-        if name in _METADATA or name == "__get__" or getattr(_local, "in_lookups", False) or not tables:
+        # Autograd's entry points take the stand-in only as what to differentiate against: a
+        # fetched copy would not be in the graph (the lookup's rows are, `embeddings`).
+        if (name in _METADATA or name == "__get__" or func in _AUTOGRAD or getattr(_local, "in_lookups", False)
+                or not tables):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if any(isinstance(value, torch.Tensor) and value.device.type == "meta"
