@@ -75,8 +75,11 @@ EXPECTED_MODULES = frozenset(
     }
 )
 # Upper limits (measured: 480 events, 240 calls, 81 cross-module calls,
-# 81 returns to a module left, 36 of them not to the engine).
-MAX_CALLS = 240
+# 81 returns to a module left, 36 of them not to the engine). Issue 36's float8
+# rule (gradient_combine asks float8_sync whether the weights are global) adds 5
+# calls within modules; the variable-write hook is installed only once a
+# parameter-server strategy holds a variable, so it is not in this step.
+MAX_CALLS = 245
 MAX_CROSS_MODULE_CALLS = 81
 MAX_RETURNS_TO_A_MODULE_LEFT = 81
 MAX_RETURNS_NOT_TO_THE_ENGINE = 36

@@ -120,5 +120,4 @@ def _task_callbacks(method, name, args, kwargs, strategy):
 def install():
     """Registers `ParameterServerAdapter`; workers started in this process build Keras resources."""
     worker_runtime.install()
-    variable_writes.install()
     adapters.register(ParameterServerStrategy, ParameterServerAdapter)

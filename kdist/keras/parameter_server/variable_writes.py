@@ -77,6 +77,9 @@ def install():
 def watch(strategy, optimizer=None):
     """Makes writes of `strategy`'s variables (and `optimizer`'s slots, if it pushes) reach the servers."""
     global _routers, _optimizers
+    # Hooked on the first variable a parameter-server strategy holds: a process without
+    # one never sends its writes (a MirroredStrategy step's) through the hook.
+    install()
     router = strategy.extended.variable_router
     with _lock:
         if not any(ref() is router for ref in _routers):
