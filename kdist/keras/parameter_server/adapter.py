@@ -72,6 +72,13 @@ class ParameterServerAdapter(ReplicaAdapter):
         if name in ("save", "save_weights"):
             with variable_writes.internal():  # reads the servers' state into the local copies
                 return worker_steps.local_call(method, model, name, args, kwargs)
+        if name == "load_weights":
+            # Everything Keras assigns while loading (weights, tables, the optimizer's slots
+            # and iterations when the file holds them) is sent when it returns, and nothing
+            # if it fails: the servers apply every update with their own optimizer, so a
+            # restore that left their slots behind would be silently unlike one device.
+            with variable_writes.writing("model.load_weights()"):
+                return worker_steps.local_call(method, model, name, args, kwargs)
         if name in _ONE_STEP_CALLS:
             with chief_fit.one_step_per_execution(model):
                 return worker_steps.local_call(method, model, name, args, kwargs)

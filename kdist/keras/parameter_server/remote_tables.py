@@ -51,6 +51,15 @@ _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__"
 
 
 _AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)
+# Who sends a table's new value: `variable_writes` sets itself here when it installs its hook
+# (it imports this module, so this one does not import it).
+_writer = None
+
+
+def set_writer(writer):
+    """Makes `writer(table, whole)` carry every in-place write of a table the servers hold."""
+    global _writer
+    _writer = writer
 
 
 class RemoteTable(torch.nn.Parameter):
@@ -123,10 +132,10 @@ class RemoteTable(torch.nn.Parameter):
         """
         if self.route is None:
             self.materialise(whole)
+        elif _writer is not None:
+            _writer(self, whole.detach())
         else:
-            from kdist.keras.parameter_server import variable_writes  # it reads tables: imported late
-
-            variable_writes.write_table(self, whole.detach())
+            self.router.assign_whole(self.route, whole.detach())
 
     def materialise(self, whole):
         """Makes this tensor an ordinary `torch.nn.Parameter` holding `whole`, in place.

@@ -71,6 +71,7 @@ def install():
         if _installed:
             return
         _compat.install_variable_write_hook(_on_write, _call_scope)
+        remote_tables.set_writer(write_table)
         _installed = True
 
 

@@ -35,7 +35,7 @@ from kdist import faults
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat, adapters, atomic_save
 from kdist.keras.parameter_server import embeddings as ps_embeddings
-from kdist.keras.parameter_server import optimizer_restore, remote_tables
+from kdist.keras.parameter_server import remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.ps.wire.conventions import slot_name
 
@@ -392,10 +392,8 @@ def local_call(method, model, name, args, kwargs):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        with optimizer_restore.sending_loaded_state(session, optimizer):
-            result = method(model, *args, **kwargs)
-            session.router.assign(session.routes())
-        return result
+        # What it loads reaches the servers: `adapter` runs it as one unit of `variable_writes`.
+        return method(model, *args, **kwargs)
     if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
         ps_embeddings.mark_tables(model, session.router)
     return method(model, *args, **kwargs)

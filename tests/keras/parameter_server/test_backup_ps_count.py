@@ -19,7 +19,7 @@ Negative control: the same backup with its optimizer slots lost (zeroed in the
 file) no longer equals the uninterrupted run.
 
 The optimizer state reaches the servers through `load_weights`
-(`kdist.keras.parameter_server.optimizer_restore`, the `LoadOptimizerState` call).
+(`kdist.keras.parameter_server.variable_writes`, the `LoadOptimizerState` call).
 """
 
 import shutil

@@ -1,7 +1,7 @@
 """`VariableClient.load_optimizer_state`: a client sets a variable's optimizer iterations and slots.
 
 This is how a restored backup's optimizer state reaches the servers
-(`kdist.keras.parameter_server.optimizer_restore`). Checked on a real server:
+(`kdist.keras.parameter_server.variable_writes`). Checked on a real server:
 the loaded state is what `optimizer_state` reads back and what the next push
 continues from (equal to a Keras optimizer given the same state), and a
 request with one bad variable changes none.
