@@ -53,10 +53,6 @@ from kdist.keras import _compat
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.keras.parameter_server import remote_tables, worker_steps
 
-# kdist's own marker of a step function running in this thread (not a Keras
-# internal); worker_steps would better export it as `current_step`.
-from kdist.keras.parameter_server.worker_steps import _current_step
-
 _local = threading.local()  # .internal: depth of internal(); .unit: the open _Unit or None
 _lock = threading.Lock()
 _routers = ()  # weak references to every VariableRouter a model of this process uses
@@ -131,7 +127,7 @@ def _on_write(variable, value, write_locally):
     if target is None:
         return write_locally(variable, value)
     kind = target[0]
-    in_step = _current_step() is not None
+    in_step = worker_steps.current_step() is not None
     if in_step and (kind != "model" or not target[2].trainable):
         # Step state: its push sends non-trainable values; the servers apply the optimizer.
         return write_locally(variable, value)
@@ -151,7 +147,7 @@ def _call_scope(obj, call):
         target = _target_of(obj)
         if target is None:
             return None
-        if target[0] == "model" and getattr(_local, "unit", None) is None and _current_step() is None:
+        if target[0] == "model" and getattr(_local, "unit", None) is None and worker_steps.current_step() is None:
             _, router, route = target
             # Adds to the servers' value, not to a copy other workers have moved past.
             router.pull([route], include_row_sparse=True)

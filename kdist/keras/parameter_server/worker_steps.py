@@ -42,7 +42,7 @@ from kdist.ps.wire.conventions import slot_name
 _local = threading.local()
 
 
-def _current_step():
+def current_step():
     """The `_Step` of the step function running in this thread, or None."""
     return getattr(_local, "step", None)
 
@@ -284,7 +284,7 @@ def push_update(optimizer, gradients, variables):
     session = optimizer._kdist_ps_session
     if variables is None:
         variables = _compat.optimizer_trainable_variables(optimizer)
-    step = _current_step()
+    step = current_step()
     with torch.no_grad():
         dense, rows = session.update_from(optimizer, list(gradients), list(variables), step)
         optimizer.iterations.assign_add(1)
