@@ -14,12 +14,28 @@ import kdist.keras
 from kdist.keras import _compat
 
 
+# Attributes whose Keras default is None on a new model: for them, existing is the check.
+NONE_BY_DEFAULT = frozenset({"Model.predict_function", "Model.test_function", "Model.train_function",
+                             "Trainer._initial_epoch", "Trainer._loss_tracker"})
+
+
 @pytest.mark.parametrize("name", sorted(_compat.PINNED_INTERNALS))
 def test_keras_internal_is_still_there(name):
     try:
-        _compat.PINNED_INTERNALS[name]()
+        value = _compat.PINNED_INTERNALS[name]()
     except (AttributeError, ImportError) as error:
         pytest.fail(f"Keras internal '{name}' used by kdist/keras/_compat.py moved: {error}")
+    if name in NONE_BY_DEFAULT:
+        assert value is None, f"Keras internal '{name}' is no longer None on a new model: {value!r}"
+    else:
+        assert value is not None and value is not False, f"Keras internal '{name}' reads {value!r}"
+
+
+def test_a_moved_internal_fails_the_pin(monkeypatch):
+    # Negative control: the pin above fails when Keras loses the name.
+    monkeypatch.delattr(_compat.Trainer, "_symbolic_build")
+    with pytest.raises(pytest.fail.Exception, match="_symbolic_build"):
+        test_keras_internal_is_still_there("Trainer._symbolic_build")
 
 
 def test_only_compat_imports_keras_internals():

@@ -101,5 +101,6 @@ def test_evaluate_counts_every_sample_once():
     model.evaluate(x, y, batch_size=BATCH, verbose=0)
     accuracy = next(metric for metric in model.metrics if metric.name == "compile_metrics")
     counts = [v for v in model.metrics_variables if v.path.endswith("count")]
+    assert counts, [v.path for v in model.metrics_variables]
     assert all(float(v.numpy()) == 301.0 for v in counts), [float(v.numpy()) for v in counts]
     assert accuracy is not None

@@ -274,7 +274,8 @@ def test_profile_batch_refusal_is_a_value_error_like_keras():
 
 def test_write_images_without_histograms_is_accepted_as_in_keras():
     # Keras draws weight images only with histograms; without them the flag has no effect.
-    kdist.callbacks.TensorBoard("logs", write_images=True)
+    callback = kdist.callbacks.TensorBoard("logs", write_images=True)
+    assert callback.write_images is True and callback.histogram_freq == 0
 
 
 @pytest.mark.parametrize(
