@@ -91,11 +91,21 @@ def final_exception_line(stderr_text):
 
 
 def _exception_index(lines, header):
-    """The index of the exception line of the traceback starting at `header`: its first unindented line."""
+    """The index of the exception line of the traceback starting at `header`: its first unindented line.
+
+    Python 3.11's error-location lines (only `^` and `~` under a frame's code) belong to
+    the frame however they are indented: a rank prefix removed unevenly, or a stream
+    split between two reads, can leave one at the start of a line.
+    """
     for index in range(header + 1, len(lines)):
-        if lines[index].strip() and not lines[index][0].isspace():
+        line = lines[index]
+        if line.strip() and not line[0].isspace() and not _is_location_marker(line):
             return index
     return None
+
+
+def _is_location_marker(line):
+    return set(line.strip()) <= set("^~")
 
 
 def failure_summary(processes, log_dir):

@@ -224,3 +224,19 @@ def test_last_traceback_keeps_the_chain_and_strips_a_rank_prefix():
     line = failure_report.final_exception_line(long_message)
     assert len(line) == failure_report.MAX_EXCEPTION_CHARS and line.endswith("...")
 
+
+
+def test_an_error_location_line_is_never_taken_for_the_exception():
+    # Python 3.11 marks the failing expression with ^ and ~; such a line left unindented
+    # once the rank prefix is removed was reported as the survivor's exception ("^^^^").
+    stderr = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "train.py", line 9, in <module>',
+        "[rank0]:     model.fit(x, y)",
+        "[rank0]: ^^^^^^^^^^^^^^^",
+        "[rank0]: ~~~~~~^^^^^^",
+        "[rank0]: kdist.errors.CollectiveTimeoutError: Collective #1 all_reduce failed. Missing rank(s): [1]",
+    ]) + "\n"
+    line = failure_report.final_exception_line(stderr)
+    assert line == "kdist.errors.CollectiveTimeoutError: Collective #1 all_reduce failed. Missing rank(s): [1]"
+    assert failure_report.last_traceback(stderr)[-1] == line
