@@ -14,6 +14,13 @@ Usage (from the repository root; about 10 minutes on 2 CPU cores):
     python benchmarks/keras_suite/run.py --work /tmp/keras_suite -k "fit or evaluate"
     python benchmarks/keras_suite/run.py --work /tmp/keras_suite --only mirrored
 
+keras-hub's and keras-rs's own tests are not in their wheels either: give a checkout of
+the library's repository at the installed version (never copied into this repository).
+The tests run in the checkout, with its own `conftest.py`, plus this plugin:
+
+    python benchmarks/keras_suite/run.py --library keras-hub --checkout ~/src/keras-hub --work /tmp/hub_suite
+    python benchmarks/keras_suite/run.py --library keras-rs --checkout ~/src/keras-rs --work /tmp/rs_suite
+
 It is not collected by the repository's pytest (`testpaths = ["tests"]`).
 """
 
@@ -39,6 +46,14 @@ DEFAULT_FILES = (
     "optimizers/*_test.py",
     "utils/torch_utils_test.py",
 )
+# What a library run covers by default: the tests that build, fit, save or predict models.
+LIBRARY_FILES = {
+    "keras-hub": ("keras_hub/src/models/*/*_backbone_test.py", "keras_hub/src/models/*/*_causal_lm_test.py",
+                  "keras_hub/src/models/*/*_classifier_test.py"),
+    "keras-rs": ("keras_rs/src/layers/*/*_test.py", "keras_rs/src/losses/*_test.py"),
+}
+# Where each library's checkout keeps its version string.
+VERSION_FILES = {"keras-hub": "keras_hub/src/version.py", "keras-rs": "keras_rs/src/version.py"}
 # Keras' own pytest settings (its pyproject.toml), so warnings fail tests as in Keras' CI.
 PYTEST_INI = """[pytest]
 filterwarnings =
@@ -102,6 +117,41 @@ def run_pytest(python, folder, mode, keyword, work):
     return code, time.monotonic() - start
 
 
+def checkout_tests(checkout, patterns):
+    """The test files of a library checkout matching `patterns` (paths relative to the checkout)."""
+    found = []
+    for pattern in patterns:
+        found += sorted(str(pathlib.Path(path).relative_to(checkout)) for path in glob.glob(str(checkout / pattern)))
+    return found
+
+
+def run_checkout(python, checkout, files, mode, keyword, work):
+    """pytest on `files` inside the checkout (its conftest and markers), plus kdist's plugin."""
+    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kdist_suite_plugin", "--timeout", "300",
+            "--rootdir", str(checkout), f"--junitxml={work / (mode + '.xml')}"]
+    if mode == "mirrored":
+        args.append("--kdist-mirrored")
+    if keyword:
+        args += ["-k", keyword]
+    args += files
+    env = {**os.environ, "KERAS_BACKEND": "torch",
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    with open(work / f"{mode}.log", "w") as out:
+        code = subprocess.run(args, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    return code, time.monotonic() - start
+
+
+def library_versions(python, library, checkout):
+    """`(installed, checkout)` version strings of `library`."""
+    module = library.replace("-", "_")
+    installed = subprocess.run([python, "-c", f"import {module}; print({module}.__version__)"], capture_output=True,
+                               text=True, env={**os.environ, "KERAS_BACKEND": "torch"}).stdout.strip()
+    text = (checkout / VERSION_FILES[library]).read_text()
+    found = __import__("re").search(r"__version__ = \"([^\"]+)\"", text)
+    return installed, found.group(1) if found else "unknown"
+
+
 def outcomes(xml_path):
     """`{test id: (outcome, first line of the failure message)}` from a junit XML file."""
     results = {}
@@ -133,25 +183,41 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/keras_suite", help="work folder (sdist, copies, logs, results)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter whose Keras is tested")
-    parser.add_argument("--files", nargs="*", default=list(DEFAULT_FILES), help="globs under keras/src")
+    parser.add_argument("--library", choices=("keras", "keras-hub", "keras-rs"), default="keras",
+                        help="whose own tests run")
+    parser.add_argument("--checkout", default=None,
+                        help="keras-hub/keras-rs: the library's repository at the installed version")
+    parser.add_argument("--files", nargs="*", default=None,
+                        help="globs under keras/src (keras) or under the checkout (the other libraries)")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset)")
     parser.add_argument("--only", choices=("plain", "mirrored"), default=None, help="run one configuration")
     options = parser.parse_args(argv)
     work = pathlib.Path(options.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    version, source = keras_sources(work, options.python)
-    folder = work / "tests"
-    copied = copy_tests(source, options.files, folder)
     modes = [options.only] if options.only else ["plain", "mirrored"]
+    if options.library == "keras":
+        version, source = keras_sources(work, options.python)
+        folder = work / "tests"
+        copied = copy_tests(source, options.files or list(DEFAULT_FILES), folder)
+        runs = {mode: lambda mode: run_pytest(options.python, folder, mode, options.keyword, work) for mode in modes}
+    else:
+        if options.checkout is None:
+            parser.error(f"--library {options.library} needs --checkout: its tests are not in its wheel")
+        checkout = pathlib.Path(options.checkout).expanduser().resolve()
+        installed, checked_out = library_versions(options.python, options.library, checkout)
+        version = f"{options.library} {installed} (checkout {checked_out})"
+        copied = checkout_tests(checkout, options.files or LIBRARY_FILES[options.library])
+        runs = {mode: lambda mode: run_checkout(options.python, checkout, copied, mode, options.keyword, work)
+                for mode in modes}
     for mode in modes:
-        code, seconds = run_pytest(options.python, folder, mode, options.keyword, work)
-        print(json.dumps({"what": "keras_suite", "mode": mode, "keras": version, "files": len(copied),
-                          "exit_code": code, "seconds": round(seconds, 1)}), flush=True)
+        code, seconds = runs[mode](mode)
+        print(json.dumps({"what": "keras_suite", "library": options.library, "mode": mode, "version": version,
+                          "files": len(copied), "exit_code": code, "seconds": round(seconds, 1)}), flush=True)
     if not all((work / f"{mode}.xml").exists() for mode in ("plain", "mirrored")):
         return 0
     tally, rows = compare(outcomes(work / "plain.xml"), outcomes(work / "mirrored.xml"))
-    (work / "comparison.json").write_text(json.dumps({"keras": version, "tally": tally, "tests": rows}, indent=1))
-    print(json.dumps({"what": "keras_suite_tally", "keras": version, **tally}), flush=True)
+    (work / "comparison.json").write_text(json.dumps({"version": version, "tally": tally, "tests": rows}, indent=1))
+    print(json.dumps({"what": "keras_suite_tally", "version": version, **tally}), flush=True)
     for test_id, row in rows.items():
         if row["plain"] == "passed" and row["mirrored"] != "passed":
             print(f"{test_id}: {row['mirrored']}: {row['mirrored_message']}")
