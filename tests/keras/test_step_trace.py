@@ -33,7 +33,9 @@ and say so in the change. Lower a limit when the step gets shorter.
 """
 
 import dataclasses
+import json
 import os
+import subprocess
 import sys
 import threading
 
@@ -43,6 +45,7 @@ import keras
 from tests.keras import _models as m
 
 KDIST_ROOT = os.path.dirname(os.path.abspath(kdist.__file__)) + os.sep
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = "keras/replica/engine.py"
 
 # Measured after issue 26's one optimizer step, identical on Keras 3.15.1 and 3.16
@@ -251,8 +254,24 @@ def format_summary(summary):
 # ----- tests -------------------------------------------------------------------
 
 
+def _trace_in_a_new_process():
+    """The summary of `trace_one_fit_step` in a process of its own.
+
+    What a process did before changes what its steps visit: once a
+    parameter-server strategy has held a variable, every variable write passes
+    kdist's write hook (`kdist.keras.parameter_server.variable_writes`). The
+    pinned trace is a MirroredStrategy program's, so it is taken in a new process.
+    """
+    completed = subprocess.run([sys.executable, "-m", "tests.keras.test_step_trace", "--json"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=240,
+                               env={**os.environ, "KERAS_BACKEND": "torch", "PYTHONPATH": str(REPO_ROOT)})
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    fields = json.loads(completed.stdout.splitlines()[-1])
+    return TraceSummary(**{key: tuple(value) if isinstance(value, list) else value for key, value in fields.items()})
+
+
 def test_one_fit_step_visits_the_pinned_modules_and_no_more_detours():
-    summary = summarize(trace_one_fit_step())
+    summary = _trace_in_a_new_process()
     assert summary.calls > 0 and summary.returns_to_a_module_left > 0, "nothing was traced"
     assert summary.modules[0] == ENGINE, summary.modules
     assert problems(summary) == [], format_summary(summary)
@@ -309,7 +328,10 @@ def test_negative_control_a_module_left_out_is_reported():
     assert "the step no longer visits distribute/batching.py: update EXPECTED_MODULES" in found
 
 
-if __name__ == "__main__":  # python -m tests.keras.test_step_trace
+if __name__ == "__main__":  # python -m tests.keras.test_step_trace [--json]
+    if "--json" in sys.argv:
+        print(json.dumps(dataclasses.asdict(summarize(trace_one_fit_step()))))
+        sys.exit(0)
     print(f"keras {keras.__version__}")
     traced = summarize(trace_one_fit_step())
     print(format_summary(traced))
