@@ -101,19 +101,20 @@ def copy_tests(source, patterns, folder):
     return copied
 
 
-def run_pytest(python, folder, mode, keyword, work):
-    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kdist_suite_plugin",
-            "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), f"--junitxml={work / (mode + '.xml')}"]
+def run_pytest(python, cwd, options, targets, mode, keyword, work):
+    """pytest in `cwd` on `targets` with kdist's plugin; `--kdist-mirrored` in the mirrored run."""
+    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kdist_suite_plugin", *options,
+            f"--junitxml={work / (mode + '.xml')}"]
     if mode == "mirrored":
         args.append("--kdist-mirrored")
     if keyword:
         args += ["-k", keyword]
-    args.append(str(folder))
+    args += targets
     env = {**os.environ, "KERAS_BACKEND": "torch",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
     with open(work / f"{mode}.log", "w") as out:
-        code = subprocess.run(args, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     return code, time.monotonic() - start
 
 
@@ -123,23 +124,6 @@ def checkout_tests(checkout, patterns):
     for pattern in patterns:
         found += sorted(str(pathlib.Path(path).relative_to(checkout)) for path in glob.glob(str(checkout / pattern)))
     return found
-
-
-def run_checkout(python, checkout, files, mode, keyword, work):
-    """pytest on `files` inside the checkout (its conftest and markers), plus kdist's plugin."""
-    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kdist_suite_plugin", "--timeout", "300",
-            "--rootdir", str(checkout), f"--junitxml={work / (mode + '.xml')}"]
-    if mode == "mirrored":
-        args.append("--kdist-mirrored")
-    if keyword:
-        args += ["-k", keyword]
-    args += files
-    env = {**os.environ, "KERAS_BACKEND": "torch",
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    start = time.monotonic()
-    with open(work / f"{mode}.log", "w") as out:
-        code = subprocess.run(args, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
-    return code, time.monotonic() - start
 
 
 def library_versions(python, library, checkout):
@@ -199,7 +183,8 @@ def main(argv=None):
         version, source = keras_sources(work, options.python)
         folder = work / "tests"
         copied = copy_tests(source, options.files or list(DEFAULT_FILES), folder)
-        runs = {mode: lambda mode: run_pytest(options.python, folder, mode, options.keyword, work) for mode in modes}
+        # Keras' copied tests run with Keras' own settings (PYTEST_INI) and this conftest.
+        cwd, pytest_options, targets = folder, ["-c", str(folder / "pytest.ini"), "--rootdir", str(folder)], [str(folder)]
     else:
         if options.checkout is None:
             parser.error(f"--library {options.library} needs --checkout: its tests are not in its wheel")
@@ -207,10 +192,10 @@ def main(argv=None):
         installed, checked_out = library_versions(options.python, options.library, checkout)
         version = f"{options.library} {installed} (checkout {checked_out})"
         copied = checkout_tests(checkout, options.files or LIBRARY_FILES[options.library])
-        runs = {mode: lambda mode: run_checkout(options.python, checkout, copied, mode, options.keyword, work)
-                for mode in modes}
+        # In the checkout, with its own conftest.py and markers.
+        cwd, pytest_options, targets = checkout, ["--timeout", "300", "--rootdir", str(checkout)], copied
     for mode in modes:
-        code, seconds = runs[mode](mode)
+        code, seconds = run_pytest(options.python, cwd, pytest_options, targets, mode, options.keyword, work)
         print(json.dumps({"what": "keras_suite", "library": options.library, "mode": mode, "version": version,
                           "files": len(copied), "exit_code": code, "seconds": round(seconds, 1)}), flush=True)
     if not all((work / f"{mode}.xml").exists() for mode in ("plain", "mirrored")):
