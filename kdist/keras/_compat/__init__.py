@@ -42,7 +42,11 @@ from kdist.keras._compat.layers import (  # noqa: F401
     output_gradient_float8_state,
     set_batchnorm_moments,
 )
-from kdist.keras._compat.losses import install_loss_reduction_observer, loss_reduction_denominator  # noqa: F401
+from kdist.keras._compat.losses import (  # noqa: F401
+    install_loss_reduction_divisor,
+    install_loss_reduction_observer,
+    loss_reduction_denominator,
+)
 from kdist.keras._compat.variable_writes import install_variable_write_hook  # noqa: F401
 from kdist.keras._compat.tensorboard import redirect_construction as redirect_tensorboard_construction  # noqa: F401
 from kdist.keras._compat.optimizers import (  # noqa: F401

@@ -83,3 +83,39 @@ def loss_reduction_denominator(values, sample_weight, mask, reduction, dtype):
             total *= int(dim)
         return valid * (count / total), False
     return keras.ops.convert_to_tensor(float(count), dtype="float64"), True
+
+
+# ----- loss reductions dividing by the global batch's count (float8 under replicas) ----
+def install_loss_reduction_divisor(divisor_for):
+    """Makes Keras loss reductions divide by `divisor_for(values, sample_weight, mask, reduction)` where it returns one.
+
+    Where it returns a number, the reduction's value stays what Keras
+    computes, but its gradient is that of `sum(weighted values) / divisor`,
+    computed with Keras' own operations (`reduce_weighted_values` with
+    `"sum"`, then `divide_no_nan`), so it is bit for bit the gradient of a
+    loss whose divisor is that number. `None`: Keras' reduction unchanged.
+    Installed once per process, over `install_loss_reduction_observer`'s
+    wrapper (install that first: it keeps this wrapper when it finds it).
+    """
+    current = _loss_module.reduce_weighted_values
+    if getattr(current, "_kdist_divisor", None) is divisor_for:
+        return
+    original = getattr(current, "_kdist_original", current)
+
+    def reduce_weighted_values(
+        values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
+    ):
+        result = current(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+        divisor = divisor_for(values, sample_weight, mask, reduction)
+        if divisor is None:
+            return result
+        total = original(values, sample_weight=sample_weight, mask=mask, reduction="sum", dtype=dtype)
+        exact = keras.ops.divide_no_nan(total, keras.ops.cast(divisor, total.dtype))
+        # The value the replica reports is its own mean; only the gradient is the global one.
+        return exact + keras.ops.stop_gradient(result - exact)
+
+    reduce_weighted_values._kdist_divisor = divisor_for
+    # The observer's installer finds itself through these and leaves this wrapper on.
+    reduce_weighted_values._kdist_observer = getattr(current, "_kdist_observer", None)
+    reduce_weighted_values._kdist_original = original
+    _loss_module.reduce_weighted_values = reduce_weighted_values

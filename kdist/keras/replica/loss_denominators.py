@@ -37,7 +37,6 @@ import threading
 import torch
 
 from kdist.keras import _compat
-from kdist.keras._compat import layers as _compat_layers
 
 _local = threading.local()
 
@@ -97,7 +96,7 @@ def use_global_divisor(scope, share):
         share: the replica's share of the global batch's samples, `n_k / N`.
     """
     _compat.install_loss_reduction_observer(_observe)
-    _compat_layers.install_loss_reduction_divisor(_global_divisor_for)
+    _compat.install_loss_reduction_divisor(_global_divisor_for)
     _local.global_divisor = (scope, share)
 
 
