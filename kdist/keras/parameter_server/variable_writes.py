@@ -169,9 +169,16 @@ def _target_of(variable):
         key = _slot_keys(optimizer).get(id(variable))
         if key is not None:
             return ("slot", optimizer) + key
-        if variable is _compat.iterations_variable(optimizer):
+        try:
+            iterations = _compat.iterations_variable(optimizer)
+            learning_rate = _compat.learning_rate_variable(optimizer)
+        except AttributeError:
+            # Watched from its first variable on, so another thread's write can come
+            # while its __init__ has not yet set these: `variable` is neither.
+            continue
+        if variable is iterations:
             return ("iterations", optimizer)
-        if variable is _compat.learning_rate_variable(optimizer):
+        if variable is learning_rate:
             return ("learning_rate", optimizer)
     return None
 

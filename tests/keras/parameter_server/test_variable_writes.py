@@ -318,3 +318,29 @@ def test_a_new_learning_rate_reaches_servers_before_training_and_is_refused_afte
             model.optimizer.learning_rate = 0.3
         assert "learning_rate" in str(error.value.__notes__)
         assert float(model.optimizer.learning_rate.numpy()) == 0.0
+
+
+def test_a_write_while_another_optimizer_is_being_built_is_not_mistaken_for_it(monkeypatch):
+    """An optimizer is watched from its first variable on; a write that comes (from another
+    thread, as a coordinator worker's metric reset did) before its __init__ has set its
+    step count and learning rate goes through. The interleaving is forced here: the write
+    runs right after the optimizer is registered."""
+    with _ps.in_process_servers(1) as cluster:
+        strategy = kdist.ParameterServerStrategy(cluster.resolver())
+        metric = keras.metrics.Mean()
+        metric.update_state(3.0)
+        watch = variable_writes.watch
+        seen = []
+
+        def watch_then_write(strategy_, optimizer=None):
+            watch(strategy_, optimizer)
+            if isinstance(optimizer, keras.optimizers.Optimizer) and not seen:
+                seen.append(hasattr(optimizer, "_learning_rate"))
+                metric.reset_state()  # not held by the servers: written locally
+
+        monkeypatch.setattr(variable_writes, "watch", watch_then_write)
+        with strategy.scope():
+            model = _dense_model()
+            model.compile(keras.optimizers.SGD(0.0), "mse")
+        assert seen == [False]  # the write came while the optimizer was half-built
+        assert float(metric.result()) == 0.0
