@@ -18,17 +18,23 @@ def test_two_ranks_agree():
 Each child gets `KERAS_BACKEND=torch`, `PYTHONUNBUFFERED=1`, `PYTHONFAULTHANDLER=1`
 and the repository root first on `PYTHONPATH` (so `import kdist` works from any
 script path).
+
+Children start warm: forked from a zygote that imported NumPy, torch and Keras
+once for the whole session (`kdist.launch.warm`), unless their command or
+environment rules it out, `warm=False` is passed, or `KDIST_WARM=0` is set.
 """
 
+import atexit
 import os
 import select
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from kdist.launch import task_env
+from kdist.launch import task_env, warm as _warm
 from kdist.launch.ports import free_port, free_ports
 from kdist.launch.processes import ProcessSet, ProcessSetTimeout
 from kdist.launch.spec import ProcessSpec
@@ -156,7 +162,20 @@ class RunResult:
         return self
 
 
-def start(specs, *, grace=DEFAULT_GRACE, kill_after=KILL_AFTER_SECONDS, echo=False, log_dir=None):
+_pool = None
+
+
+def warm_pool():
+    """The session's `WarmPool` (made on first use, from the main thread), or None when warm starts are off."""
+    global _pool
+    if _pool is None and _warm.enabled() and threading.current_thread() is threading.main_thread():
+        _pool = _warm.WarmPool()
+        atexit.register(_pool.close)
+    return _pool
+
+
+def start(specs, *, grace=DEFAULT_GRACE, kill_after=KILL_AFTER_SECONDS, echo=False, log_dir=None,
+          warm=True):
     """Starts `specs` and returns the live `ProcessSet`, for tests that interact with it.
 
     Use it as a context manager so that nothing outlives the test, and finish
@@ -175,6 +194,7 @@ def start(specs, *, grace=DEFAULT_GRACE, kill_after=KILL_AFTER_SECONDS, echo=Fal
         kill_after_seconds=kill_after,
         echo=echo,
         log_dir=log_dir,
+        warm=warm_pool() if warm else None,
     )
     processes.start()
     return processes
@@ -196,6 +216,7 @@ def run(
     grace=DEFAULT_GRACE,
     kill_after=KILL_AFTER_SECONDS,
     echo=False,
+    warm=True,
 ):
     """Starts `specs`, waits for all of them, and returns a `RunResult` (call `.check()`).
 
@@ -203,7 +224,7 @@ def run(
     and every process's output, including the faulthandler stacks of the
     processes that were still running.
     """
-    with start(specs, grace=grace, kill_after=kill_after, echo=echo) as processes:
+    with start(specs, grace=grace, kill_after=kill_after, echo=echo, warm=warm) as processes:
         return wait(processes, timeout)
 
 

@@ -123,6 +123,7 @@ class Child:
         self.muted = False
         self.num_restarts = 0  # Times it was started again after a failure.
         self.restart_at = None  # While a restart is pending: when it is due.
+        self.warm = False  # Its last start was forked from a zygote.
 
     @property
     def running(self):
@@ -141,17 +142,22 @@ class Child:
     def failed(self):
         return self.returncode not in (None, 0) and not self.stopped and self.restart_at is None
 
-    def spawn(self, preexec, sinks, log_dir, on_exit):
+    def spawn(self, preexec, sinks, log_dir, on_exit, warm=None):
         """Starts the process and its threads; `on_exit(child, returncode)` runs when it ends.
+
+        With a `kdist.launch.warm.WarmPool`, the process is forked from a zygote
+        when its command allows (else, and without one, it starts cold).
 
         Raises:
             OSError: the command cannot be executed.
         """
         spec = self.spec
         restarting = self.popen is not None
-        self.popen = subprocess.Popen(
+        env = child_environment(spec.env)
+        popen = None if warm is None else warm.spawn(spec.argv, env, spec.cwd)
+        self.popen = popen or subprocess.Popen(
             spec.argv,
-            env=child_environment(spec.env),
+            env=env,
             cwd=spec.cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -159,6 +165,7 @@ class Child:
             start_new_session=True,
             preexec_fn=preexec,
         )
+        self.warm = popen is not None
         if restarting:
             self.log.reopen()
             self.returncode = self.ended_at = self.restart_at = None

@@ -19,7 +19,7 @@ import threading
 from kdist import __version__
 from kdist.cluster.address import MAX_PORT, is_port
 from kdist.errors import InvalidArgumentError
-from kdist.launch import failure_report, job_secret, plans, server_cli
+from kdist.launch import failure_report, job_secret, plans, server_cli, warm
 from kdist.launch.help_text import LAUNCH_EPILOG
 from kdist.launch.cluster_file import add_cluster_argument, parse_task
 from kdist.launch.processes import ProcessSet, ProcessSetTimeout
@@ -167,6 +167,14 @@ def _add_launch_arguments(parser):
         "the temporary directory, removed when the job succeeds)",
     )
     job.add_argument(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="start every process cold (a new interpreter importing everything itself), not "
+        "forked from a process that imported NumPy, torch and Keras once; also KDIST_WARM=0 "
+        "(default: warm, on Linux)",
+    )
+    job.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -253,6 +261,15 @@ def _log_dir(args):
 
 
 def _run_job(args, specs, log_dir, job_restart=None):
+    pool = warm.WarmPool() if getattr(args, "warm", True) and warm.enabled() else None
+    try:
+        return _run_set(args, specs, log_dir, job_restart, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _run_set(args, specs, log_dir, job_restart, pool):
     processes = ProcessSet(
         specs,
         grace_seconds=args.grace,
@@ -260,6 +277,7 @@ def _run_job(args, specs, log_dir, job_restart=None):
         keep_lines=KEEP_LINES,
         log_dir=log_dir,
         job_restart=job_restart,
+        warm=pool,
     )
     with _StopOnSignal(processes, args.grace) as stopper:
         try:

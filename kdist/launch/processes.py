@@ -59,6 +59,8 @@ class ProcessSet:
         core_dumps: False (default) sets the children's soft core-file limit to 0.
         job_restart: a `JobRestart`: after a failure, stop every process and start
             them all again (from `job_restart.make_specs()`), up to its `max_restarts`.
+        warm: a `kdist.launch.warm.WarmPool` to fork the processes (and their
+            restarts) from, or None to start each one cold. The set does not close it.
 
     Example:
         ```python
@@ -84,6 +86,7 @@ class ProcessSet:
         log_dir=None,
         core_dumps=False,
         job_restart=None,
+        warm=None,
     ):
         if grace_seconds < 0 or kill_after_seconds < 0:
             raise InvalidArgumentError(
@@ -99,6 +102,7 @@ class ProcessSet:
         self._keep_lines = keep_lines
         self._log_dir = log_dir
         self._core_dumps = core_dumps
+        self._warm = warm
         # An RLock, so that a signal handler running in the main thread while
         # the main thread holds the lock (inside `wait`) can still call
         # `request_stop` / `kill_all`.
@@ -171,7 +175,7 @@ class ProcessSet:
         raise failure
 
     def _respawn(self, current):
-        current.spawn(self._preexec, self._sinks, self._log_dir, self._on_exit)
+        current.spawn(self._preexec, self._sinks, self._log_dir, self._on_exit, self._warm)
 
     def _on_exit(self, current, returncode):
         """Runs in the child's waiter thread once the process ended."""
