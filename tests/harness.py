@@ -24,11 +24,9 @@ once for the whole session (`kdist.launch.warm`), unless their command or
 environment rules it out, `warm=False` is passed, or `KDIST_WARM=0` is set.
 """
 
-import atexit
 import os
 import select
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -162,18 +160,6 @@ class RunResult:
         return self
 
 
-_pool = None
-
-
-def warm_pool():
-    """The session's `WarmPool` (made on first use, from the main thread), or None when warm starts are off."""
-    global _pool
-    if _pool is None and _warm.enabled() and threading.current_thread() is threading.main_thread():
-        _pool = _warm.WarmPool()
-        atexit.register(_pool.close)
-    return _pool
-
-
 def start(specs, *, grace=DEFAULT_GRACE, kill_after=KILL_AFTER_SECONDS, echo=False, log_dir=None,
           warm=True):
     """Starts `specs` and returns the live `ProcessSet`, for tests that interact with it.
@@ -194,7 +180,7 @@ def start(specs, *, grace=DEFAULT_GRACE, kill_after=KILL_AFTER_SECONDS, echo=Fal
         kill_after_seconds=kill_after,
         echo=echo,
         log_dir=log_dir,
-        warm=warm_pool() if warm else None,
+        warm=_warm.shared_pool() if warm and _warm.enabled() else None,
     )
     processes.start()
     return processes

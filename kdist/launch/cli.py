@@ -261,15 +261,7 @@ def _log_dir(args):
 
 
 def _run_job(args, specs, log_dir, job_restart=None):
-    pool = warm.WarmPool() if getattr(args, "warm", True) and warm.enabled() else None
-    try:
-        return _run_set(args, specs, log_dir, job_restart, pool)
-    finally:
-        if pool is not None:
-            pool.close()
-
-
-def _run_set(args, specs, log_dir, job_restart, pool):
+    pool = warm.shared_pool() if getattr(args, "warm", True) and warm.enabled() else None
     processes = ProcessSet(
         specs,
         grace_seconds=args.grace,

@@ -41,9 +41,9 @@ COORDINATOR_DAEMON_JOBS = ("ps", "worker")
 # In coordinator training the chief moves a dead worker's closures to the
 # others and reconnects to the worker's address every second: a worker that is
 # started again on its old port rejoins. Restarts of each worker, by default,
-# and the delay before the first (then doubling: 1 s, 2 s, 4 s).
+# and the backoff: the first restart is immediate, then 1 s, 2 s, 4 s (`RestartPolicy`).
 DEFAULT_MAX_WORKER_RESTARTS = 3
-FIRST_RESTART_DELAY_SECONDS = 1.0
+RESTART_BACKOFF_SECONDS = 1.0
 # A parameter server that dies is started again on its port and restores its
 # last checkpoint (`kdist.ps.autosave`); by default it checkpoints every minute.
 DEFAULT_MAX_PS_RESTARTS = 3
@@ -211,7 +211,7 @@ def _local_cluster_specs(args, command):
         # restarts the process that trains (the chief, or each worker) alone.
         trainer = "chief" if args.chief else "worker"
         if args.max_restarts and trainer not in daemon_jobs:
-            restarts[trainer] = RestartPolicy(args.max_restarts, FIRST_RESTART_DELAY_SECONDS)
+            restarts[trainer] = RestartPolicy(args.max_restarts, RESTART_BACKOFF_SECONDS)
     return [
         ProcessSpec(
             task_env.task_name(*task),
@@ -242,7 +242,7 @@ def _ps_restart(args):
                 autosave.parse_every(every, "--ps-checkpoint-every"))
         except InvalidArgumentError as error:
             raise UsageError("--ps-checkpoint-every", str(error)) from None
-    policy = RestartPolicy(num_restarts, FIRST_RESTART_DELAY_SECONDS) if num_restarts else None
+    policy = RestartPolicy(num_restarts, RESTART_BACKOFF_SECONDS) if num_restarts else None
     return policy, env
 
 
@@ -282,7 +282,7 @@ def _worker_restart(args, workers_only_serve):
         num_restarts = DEFAULT_MAX_WORKER_RESTARTS
     if num_restarts == 0:
         return None
-    return RestartPolicy(num_restarts, FIRST_RESTART_DELAY_SECONDS)
+    return RestartPolicy(num_restarts, RESTART_BACKOFF_SECONDS)
 
 
 def job_restart(args, make_specs):
@@ -294,7 +294,7 @@ def job_restart(args, make_specs):
     """
     if not args.max_restarts or args.ps:
         return None  # With --ps, --max-restarts restarts one process at a time (above).
-    return JobRestart(args.max_restarts, make_specs, FIRST_RESTART_DELAY_SECONDS)
+    return JobRestart(args.max_restarts, make_specs, RESTART_BACKOFF_SECONDS)
 
 
 def runs_part_of_a_cluster(args):

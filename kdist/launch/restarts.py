@@ -32,7 +32,7 @@ from kdist.launch.child import DRAIN_SECONDS
 from kdist.launch.policy import signal_all
 from kdist.launch.spec import RestartPolicy, describe_returncode
 
-DEFAULT_FIRST_DELAY_SECONDS = 1.0
+DEFAULT_BACKOFF_SECONDS = 1.0
 # Environment variables that show the rendezvous a restarted job uses.
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
 
@@ -46,8 +46,8 @@ class JobRestart:
         make_specs: a callable returning the `ProcessSpec`s of a restarted job,
             one per process of the set, with the same names (usually on a new
             rendezvous port). Called once per restart, after every process ended.
-        first_delay_seconds: delay between the last process's end and the first
-            restart; then doubling (as `RestartPolicy`), at most 60 s.
+        backoff_seconds: as `RestartPolicy`'s: the first restart follows the last
+            process's end at once, the second after this delay, then doubling, at most 60 s.
 
     Raises:
         kdist.errors.InvalidArgumentError: a negative count or delay, or
@@ -62,10 +62,10 @@ class JobRestart:
 
     max_restarts: int
     make_specs: Callable
-    first_delay_seconds: float = DEFAULT_FIRST_DELAY_SECONDS
+    backoff_seconds: float = DEFAULT_BACKOFF_SECONDS
 
     def __post_init__(self):
-        RestartPolicy(self.max_restarts, self.first_delay_seconds)  # Validates both.
+        RestartPolicy(self.max_restarts, self.backoff_seconds)  # Validates both.
         if not callable(self.make_specs):
             raise InvalidArgumentError(
                 "make_specs must be a callable returning the restarted job's ProcessSpecs. "
@@ -74,7 +74,7 @@ class JobRestart:
 
     def delay_seconds(self, restart_number):
         """Seconds between the end of the last process and restart `restart_number` (1-based)."""
-        return RestartPolicy(self.max_restarts, self.first_delay_seconds).delay_seconds(
+        return RestartPolicy(self.max_restarts, self.backoff_seconds).delay_seconds(
             restart_number
         )
 

@@ -7,7 +7,7 @@ import signal
 from kdist.errors import InvalidArgumentError, KdistError
 
 
-# Backoff before a restart: first_delay_seconds, then doubling, at most this.
+# Backoff before a restart after the first: backoff_seconds, then doubling, at most this.
 MAX_RESTART_DELAY_SECONDS = 60.0
 
 
@@ -17,36 +17,41 @@ class RestartPolicy:
 
     A failure that the policy restarts is not the set's failure. Once
     `max_restarts` are used, the next failure counts as one (the set's fail-fast
-    rule applies). The delay before restart number k (1-based) is
-    `first_delay_seconds * 2 ** (k - 1)`, at most `MAX_RESTART_DELAY_SECONDS`.
-    The restarted process gets the same command and environment.
+    rule applies). The first restart is immediate: one failure is a lost process
+    (a `kill -9`, a machine gone), and every second spent before it is training
+    lost. From the second on, a failure may repeat (a crash loop), so restart
+    number k waits `backoff_seconds * 2 ** (k - 2)`, at most
+    `MAX_RESTART_DELAY_SECONDS`. The restarted process gets the same command and
+    environment.
 
     Args:
         max_restarts: restarts allowed over the life of the set (0: none).
-        first_delay_seconds: the delay before the first restart.
+        backoff_seconds: the delay before the second restart.
 
     Raises:
         kdist.errors.InvalidArgumentError: a negative count or delay.
 
     Example:
-        >>> RestartPolicy(max_restarts=3, first_delay_seconds=1.0).delay_seconds(3)
-        4.0
+        >>> [RestartPolicy(max_restarts=3, backoff_seconds=1.0).delay_seconds(k) for k in (1, 2, 3)]
+        [0.0, 1.0, 2.0]
     """
 
     max_restarts: int = 3
-    first_delay_seconds: float = 1.0
+    backoff_seconds: float = 1.0
 
     def __post_init__(self):
-        if self.max_restarts < 0 or not self.first_delay_seconds >= 0:
+        if self.max_restarts < 0 or not self.backoff_seconds >= 0:
             raise InvalidArgumentError(
-                "max_restarts and first_delay_seconds must be >= 0. Received: "
+                "max_restarts and backoff_seconds must be >= 0. Received: "
                 f"max_restarts={self.max_restarts}, "
-                f"first_delay_seconds={self.first_delay_seconds}."
+                f"backoff_seconds={self.backoff_seconds}."
             )
 
     def delay_seconds(self, restart_number):
         """Seconds to wait before restart number `restart_number` (1 for the first)."""
-        delay = self.first_delay_seconds * 2.0 ** (restart_number - 1)
+        if restart_number <= 1:
+            return 0.0
+        delay = self.backoff_seconds * 2.0 ** (restart_number - 2)
         return min(delay, MAX_RESTART_DELAY_SECONDS)
 
 

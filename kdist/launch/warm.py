@@ -128,6 +128,27 @@ def _same_file(a, b):
 
 # ----- the pool (the launcher's side) --------------------------------------------------
 
+_shared = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool():
+    """This process's `WarmPool`, made on first use by the main thread (else None) and closed at exit.
+
+    Every job a process launches (`kdist launch` runs one; a test session runs
+    many) forks from the same zygotes, so each import-time environment is
+    imported once per process.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None and threading.current_thread() is threading.main_thread():
+            import atexit
+
+            _shared = WarmPool()
+            atexit.register(_shared.close)
+        return _shared
+
+
 
 class WarmPool:
     """Starts processes by forking them from zygotes, one zygote per import-time environment.

@@ -19,8 +19,9 @@ def test_strategy_api_and_collectives_across_processes(num_processes):
         assert "CHECKS PASSED" in result.output(f"worker-{rank}")
 
 
-def test_a_stalled_rank_is_named_within_the_timeout():
-    result = harness.run(harness.python_specs(harness.torchrun_envs(2), WORKER, "--stall"), timeout=120)
+def test_a_stalled_rank_is_named_within_the_timeout(tmp_path):
+    done = tmp_path / "diagnosed"
+    result = harness.run(harness.python_specs(harness.torchrun_envs(2), WORKER, "--stall", done), timeout=120)
     result.check()
     survivor = result.output("worker-0")
     assert "DIAGNOSED missing=[1]" in survivor, survivor

@@ -32,8 +32,8 @@ def specs_for(*argv):
 def test_coordinator_workers_get_a_bounded_restart_policy_and_nothing_else_does():
     specs = specs_for("--workers", "2", "--ps", "1", "--chief")
 
-    default = RestartPolicy(plans.DEFAULT_MAX_WORKER_RESTARTS, plans.FIRST_RESTART_DELAY_SECONDS)
-    ps_default = RestartPolicy(plans.DEFAULT_MAX_PS_RESTARTS, plans.FIRST_RESTART_DELAY_SECONDS)
+    default = RestartPolicy(plans.DEFAULT_MAX_WORKER_RESTARTS, plans.RESTART_BACKOFF_SECONDS)
+    ps_default = RestartPolicy(plans.DEFAULT_MAX_PS_RESTARTS, plans.RESTART_BACKOFF_SECONDS)
     assert {name: spec.restart for name, spec in specs.items()} == {
         "ps-0": ps_default,
         "worker-0": default,
@@ -41,7 +41,7 @@ def test_coordinator_workers_get_a_bounded_restart_policy_and_nothing_else_does(
         "chief-0": None,
     }
     specs = specs_for("--workers", "1", "--ps", "1", "--chief", "--max-worker-restarts", "5")
-    assert specs["worker-0"].restart == RestartPolicy(5, plans.FIRST_RESTART_DELAY_SECONDS)
+    assert specs["worker-0"].restart == RestartPolicy(5, plans.RESTART_BACKOFF_SECONDS)
     specs = specs_for("--workers", "1", "--ps", "1", "--chief", "--max-worker-restarts", "0")
     assert specs["worker-0"].restart is None
 
@@ -75,7 +75,7 @@ def test_parameter_servers_restart_and_checkpoint_by_default():
 def test_ps_checkpoint_flags():
     specs = specs_for("--workers", "1", "--ps", "1", "--chief", "--ps-checkpoint-every", "1",
                       "--ps-checkpoint-dir", "/ckpt", "--max-ps-restarts", "5")
-    assert specs["ps-0"].restart == RestartPolicy(5, plans.FIRST_RESTART_DELAY_SECONDS)
+    assert specs["ps-0"].restart == RestartPolicy(5, plans.RESTART_BACKOFF_SECONDS)
     assert specs["ps-0"].env[autosave.CHECKPOINT_EVERY_VARIABLE] == "1"
     assert specs["ps-0"].env[autosave.CHECKPOINT_DIR_VARIABLE] == "/ckpt/ps-0"
     # The user's directory is kept by with_ps_checkpoint_dir.
@@ -130,7 +130,7 @@ def test_a_worker_killed_mid_training_is_restarted_and_the_chief_finishes(tmp_pa
     output = result.output("launcher")
     assert result.returncodes == {"launcher": 0}, output
     assert "[kdist] worker-1 (pid" in output
-    assert "was killed by SIGKILL; restarting it (1 of 3) in 1s" in output
+    assert "was killed by SIGKILL; restarting it (1 of 3) in 0s" in output
     assert "[kdist] restarted worker-1 (pid" in output
     assert output.count("[worker-1] serving") == 2
     (report,) = [line for line in output.splitlines() if line.startswith("[chief-0] {")]

@@ -111,16 +111,17 @@ def test_a_stop_signal_during_a_restart_cancels_it(tmp_path):
             RESTART_JOB, str(tmp_path), "1", "99", "kill9"]
     spec = harness.ProcessSpec("launcher", argv, cwd=str(harness.REPO_ROOT))
     with harness.start([spec]) as processes:
-        # The first run's processes have ended; the restart waits its 1 s delay.
-        assert processes.wait_for_output("launcher", "restarting the job (1 of 3): stopping", timeout=60)
+        # The first restart is immediate; the second waits its 1 s backoff.
+        assert processes.wait_for_output("launcher", "restarting the job (2 of 3): stopping", timeout=60)
         processes.send_signal("launcher", signal.SIGTERM)
         result = harness.wait(processes, timeout=60)
 
     launcher = result.output("launcher")
     assert result.returncodes == {"launcher": 128 + signal.SIGTERM}, launcher
     assert "received SIGTERM" in launcher
-    assert "restarting the job (1 of 3): started" not in launcher
-    assert len(runs(tmp_path, "worker-0")) == 1
+    assert "restarting the job (1 of 3): started" in launcher
+    assert "restarting the job (2 of 3): started" not in launcher
+    assert len(runs(tmp_path, "worker-0")) == 2
     assert harness.wait_until_gone(recorded_pids(tmp_path), timeout=10) == []
 
 
@@ -177,9 +178,9 @@ def test_with_ps_max_restarts_restarts_the_trainers_one_at_a_time(argv, trainers
 
     assert plans.job_restart(args, lambda: []) is None  # The servers' state is never restarted.
     for name in trainers:
-        assert specs[name].restart == RestartPolicy(2, plans.FIRST_RESTART_DELAY_SECONDS)
+        assert specs[name].restart == RestartPolicy(2, plans.RESTART_BACKOFF_SECONDS)
     assert specs["ps-0"].restart == RestartPolicy(plans.DEFAULT_MAX_PS_RESTARTS,
-                                                  plans.FIRST_RESTART_DELAY_SECONDS)
+                                                  plans.RESTART_BACKOFF_SECONDS)
 
 
 def test_a_negative_max_restarts_is_a_usage_error(tmp_path, capsys):

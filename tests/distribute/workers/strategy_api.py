@@ -86,10 +86,10 @@ def check_collectives(collectives, rank, world):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--stall", metavar="DONE_FILE", help="rank 1 stalls until rank 0 writes DONE_FILE")
     args = parser.parse_args()
     if args.stall:
-        return stall()
+        return stall(args.stall)
     strategy = kdist.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=30, bucket_bytes=1024)
     )
@@ -101,7 +101,7 @@ def main():
     return 0
 
 
-def stall():
+def stall(done_file):
     from kdist.cluster import resolve_cluster
     from kdist.errors import CollectiveTimeoutError
 
@@ -109,7 +109,11 @@ def stall():
     collectives = ProcessCollectives(rendezvous, CommunicationOptions(timeout_seconds=4), "cpu")
     collectives.barrier()
     if collectives.rank == 1:
-        time.sleep(15)  # alive (heartbeat running) but never reaches the next barrier
+        # Alive (heartbeat running) but never reaches the next barrier: it waits for
+        # rank 0 to have diagnosed it, not for a time.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 0
     started = time.monotonic()
     try:
@@ -117,8 +121,11 @@ def stall():
     except CollectiveTimeoutError as error:
         print(f"DIAGNOSED missing={list(error.missing_ranks)} after {time.monotonic() - started:.1f}s: {error}", flush=True)
         return 0
-    print("NO ERROR", flush=True)
-    return 1
+    else:
+        print("NO ERROR", flush=True)
+        return 1
+    finally:
+        open(done_file, "w").close()
 
 
 if __name__ == "__main__":
