@@ -544,17 +544,18 @@ def _run_child(request):
 def _finish(code):
     """Ends the child as the interpreter ends, less the teardown of the modules it shares with the zygote.
 
-    Non-daemon threads are joined, `atexit` functions run, files still open are
-    flushed, then the process exits with `code`. Tearing down torch and Keras
+    As at any exit, `threading`'s exit hooks run and non-daemon threads are joined,
+    then `atexit` functions run; files still open are flushed, and the process
+    exits with `code`. Tearing down torch and Keras
     (seconds, and a copy of every page the zygote shared) is skipped.
     """
     import atexit
     import gc
     import io
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit: the hooks of `threading._register_atexit`
+    # (ThreadPoolExecutor's shutdown), then a join of every non-daemon thread.
+    threading._shutdown()
     atexit._run_exitfuncs()
     # Objects made in this process only: the zygote's are frozen out of the collector.
     for obj in gc.get_objects():

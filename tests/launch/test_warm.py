@@ -167,3 +167,13 @@ def test_kdist_launch_forks_its_ranks_unless_told_not_to(tmp_path, warm_flag):
     assert len(lines) == 2
     forked_by_launcher = [words[2] == words[4] for words in lines]
     assert forked_by_launcher == ([True, True] if warm_flag else [False, False])
+
+
+def test_a_thread_pool_left_running_is_shut_down_at_exit_as_python_does(pool):
+    code = (
+        "import concurrent.futures\n"
+        "executor = concurrent.futures.ThreadPoolExecutor(2)\n"
+        "print(executor.submit(lambda: 'done').result())\n"
+    )
+    status, out, _, _ = _run_warm(pool, [sys.executable, "-c", code], _env())
+    assert (status, out) == (0, "done\n")
