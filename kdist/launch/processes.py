@@ -59,8 +59,8 @@ class ProcessSet:
         core_dumps: False (default) sets the children's soft core-file limit to 0.
         job_restart: a `JobRestart`: after a failure, stop every process and start
             them all again (from `job_restart.make_specs()`), up to its `max_restarts`.
-        warm: a `kdist.launch.warm.WarmPool` to fork the processes (and their
-            restarts) from, or None to start each one cold. The set does not close it.
+        warm: a `kdist.launch.warm.WarmPool` to fork the processes (and restarts)
+            from, or None to start them cold. The set does not close it.
 
     Example:
         ```python
@@ -99,10 +99,8 @@ class ProcessSet:
             output.STDOUT: output.PrefixedSink(output.STDOUT, stdout, echo),
             output.STDERR: output.PrefixedSink(output.STDERR, stderr, echo),
         }
-        self._keep_lines = keep_lines
-        self._log_dir = log_dir
-        self._core_dumps = core_dumps
-        self._warm = warm
+        self._keep_lines, self._log_dir = keep_lines, log_dir
+        self._core_dumps, self._warm = core_dumps, warm
         # An RLock, so that a signal handler running in the main thread while
         # the main thread holds the lock (inside `wait`) can still call
         # `request_stop` / `kill_all`.
