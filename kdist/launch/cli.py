@@ -261,7 +261,10 @@ def _log_dir(args):
 
 
 def _run_job(args, specs, log_dir, job_restart=None):
-    pool = warm.shared_pool() if getattr(args, "warm", True) and warm.enabled() else None
+    # Forking pays when the zygote's one import replaces several (two processes or
+    # more, or restarts); a lone process without restarts starts cold, as fast as ever.
+    worth_it = len(specs) > 1 or job_restart is not None or any(spec.restart for spec in specs)
+    pool = warm.shared_pool() if getattr(args, "warm", True) and worth_it and warm.enabled() else None
     processes = ProcessSet(
         specs,
         grace_seconds=args.grace,

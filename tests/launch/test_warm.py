@@ -151,29 +151,31 @@ def test_closing_the_pool_ends_its_zygote_and_children_still_running():
     assert harness.wait_until_gone([process.pid], timeout=10) == []
 
 
-@pytest.mark.parametrize("warm_flag", [(), ("--no-warm",)], ids=["warm", "no_warm"])
-def test_kdist_launch_forks_its_ranks_unless_told_not_to(tmp_path, warm_flag):
+_WHO = "import os\nprint('parent', os.getppid(), 'launcher', os.environ['LAUNCHER_PID'])\n"
+_LAUNCHER = (
+    "import os, sys\n"
+    "os.environ['LAUNCHER_PID'] = str(os.getpid())\n"
+    "from kdist.launch.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def _started_by_the_launcher(tmp_path, *launch_args):
+    """For each process `kdist launch *launch_args` starts: whether the launcher itself started it."""
     script = tmp_path / "who.py"
-    script.write_text("import os\nprint('parent', os.getppid(), 'launcher', os.environ['LAUNCHER_PID'])\n")
-    launcher = (
-        "import os, sys\n"
-        "os.environ['LAUNCHER_PID'] = str(os.getpid())\n"
-        "from kdist.launch.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
-    argv = [sys.executable, "-c", launcher, "launch", *warm_flag, "--nproc", "2", "--timeout", "60", str(script)]
+    script.write_text(_WHO)
+    argv = [sys.executable, "-c", _LAUNCHER, "launch", *launch_args, "--timeout", "60", str(script)]
     result = harness.run([harness.ProcessSpec("launcher", argv)], timeout=90, warm=False).check()
     lines = [line.split() for line in result.output("launcher", "stdout").splitlines() if "parent" in line]
-    assert len(lines) == 2
-    forked_by_launcher = [words[2] == words[4] for words in lines]
-    assert forked_by_launcher == ([True, True] if warm_flag else [False, False])
+    return [words[2] == words[4] for words in lines]
 
 
-def test_a_thread_pool_left_running_is_shut_down_at_exit_as_python_does(pool):
-    code = (
-        "import concurrent.futures\n"
-        "executor = concurrent.futures.ThreadPoolExecutor(2)\n"
-        "print(executor.submit(lambda: 'done').result())\n"
-    )
-    status, out, _, _ = _run_warm(pool, [sys.executable, "-c", code], _env())
-    assert (status, out) == (0, "done\n")
+@pytest.mark.parametrize("warm_flag", [(), ("--no-warm",)], ids=["warm", "no_warm"])
+def test_kdist_launch_forks_its_ranks_unless_told_not_to(tmp_path, warm_flag):
+    expected = [True, True] if warm_flag else [False, False]
+    assert _started_by_the_launcher(tmp_path, *warm_flag, "--nproc", "2") == expected
+
+
+def test_a_lone_process_without_restarts_starts_cold(tmp_path):
+    # Nothing to share with one process: started by the launcher itself.
+    assert _started_by_the_launcher(tmp_path, "--nproc", "1") == [True]
