@@ -21,8 +21,8 @@ coordinator training (`--ps 1 --workers 1 --chief --ps-checkpoint-every 1`) the 
 - `steps_lost`: steps trained before the kill that are trained again (the kill
   step minus the steps the resumed backup holds).
 - `recovery_breakdown`: `detect_and_restart_or_launch` (kill to the restarted
-  process's start: the launcher sees the death, stops the other processes, waits its 1 s
-  restart delay, starts the new ones), `startup` (process start to the strategy
+  process's start: the launcher sees the death, stops the other processes and starts
+  the new ones at once, forked from its zygote (`kdist.launch.warm`)), `startup` (process start to the strategy
   created), split into `interpreter`, `imports` and `rendezvous`, then
   `restore` (model built, backup read) and `first_step` (steps the backup holds
   skipped, one step trained).
