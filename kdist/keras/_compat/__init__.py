@@ -8,14 +8,15 @@ message naming it instead of breaking training silently.
 
 This module holds the trainer, variable and data internals; the others, by job:
 `optimizers`, `callbacks` (`BackupAndRestore`), `layers` (`BatchNormalization`,
-float8), `losses` (loss reductions) and `variable_writes` (where every variable
-write passes). Everything is re-exported here, so
+float8), `losses` (loss reductions), `scopes` (`StatelessScope` entries
+converted once) and `variable_writes` (where every variable write passes). Everything is re-exported here, so
 callers write `_compat.<name>`.
 """
 
 import functools
 
 import keras
+import torch
 from keras.src.backend.common import global_state as _global_state
 from keras.src.backend.torch import core as _torch_core_module
 from keras.src.backend.torch import trainer as _torch_trainer_module
@@ -27,6 +28,7 @@ from kdist.keras._compat import callbacks as _callbacks
 from kdist.keras._compat import layers as _layers
 from kdist.keras._compat import losses as _losses
 from kdist.keras._compat import optimizers as _optimizers
+from kdist.keras._compat import scopes as _scopes
 from kdist.keras._compat import variable_writes as _variable_writes
 from kdist.keras._compat.callbacks import (  # noqa: F401
     BackupPaths,
@@ -47,6 +49,7 @@ from kdist.keras._compat.losses import (  # noqa: F401
     install_loss_reduction_observer,
     loss_reduction_denominator,
 )
+from kdist.keras._compat.scopes import stateless_scope  # noqa: F401
 from kdist.keras._compat.variable_writes import install_variable_write_hook  # noqa: F401
 from kdist.keras._compat.tensorboard import redirect_construction as redirect_tensorboard_construction  # noqa: F401
 from kdist.keras._compat.optimizers import (  # noqa: F401
@@ -110,7 +113,7 @@ _PINNED = {
 
 
 PINNED_INTERNALS = {**_PINNED, **_callbacks.PINNED, **_layers.PINNED, **_losses.PINNED, **_optimizers.PINNED,
-                     **_variable_writes.PINNED}
+                     **_scopes.PINNED, **_variable_writes.PINNED}
 
 
 def _probe_name_scope_stack():
@@ -195,6 +198,11 @@ def seed_generator_states(model):
                 seen.add(id(generator.state))
                 states.append(generator.state)
     return states
+
+
+def train_step_zeroes_gradients(model):
+    """True when `model.train_step` is the torch backend's own, which calls `zero_grad()` before its backward."""
+    return "train_step" not in vars(model) and type(model).train_step is TorchTrainer.train_step
 
 
 def loss_tracker(model):
@@ -315,6 +323,23 @@ def install_variable_initializer_hook(hook):
         return self._initialize(value)
 
     TorchVariable._initialize_with_initializer = _initialize_with_initializer
+
+
+def write_values(pairs):
+    """Writes each `(variable, value)`: `variable.assign(value)` for a value already of its dtype and shape.
+
+    Outside a `StatelessScope` Keras' `assign` converts the value (a no-op
+    here), checks its shape and ends in `_direct_assign`, a `copy_` into the
+    variable's tensor; kdist's reconciled state makes that copy directly.
+    Inside one, the scope records the writes, as Keras' `assign` does there.
+    """
+    if getattr(_global_state.GLOBAL_STATE_TRACKER, "stateless_scope", None) is not None:
+        for variable, value in pairs:
+            variable.assign(value)
+        return
+    with torch.no_grad():
+        for variable, value in pairs:
+            variable._value.copy_(value)
 
 
 def replace_torch_tensor(variable, parameter):

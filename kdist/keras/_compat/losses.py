@@ -44,14 +44,18 @@ def loss_reduction_denominator(values, sample_weight, mask, reduction, dtype):
 
     Returns:
         `(denominator, counts_elements)`: `denominator` is a 0-d float64 tensor
-        (still on its device: no host sync), `counts_elements` says it is the
-        plain element count (no mask, no sample-weight sum), which grows with
-        the batch size. `(None, False)` when the reduction divides by nothing
-        (`"sum"`, `"none"`, a scalar or empty value).
+        (still on its device: no host sync), or, where `counts_elements` says
+        it is the plain element count (no mask, no sample-weight sum, which
+        grows with the batch size), that count as a Python float (it is known
+        from the shape; no tensor is made). `(None, False)` when the reduction
+        divides by nothing (`"sum"`, `"none"`, a scalar or empty value).
     """
     reduction = _loss_module.standardize_reduction(reduction)
     if reduction not in _MEAN_REDUCTIONS + ("mean_with_sample_weight",):
         return None, False
+    if sample_weight is None and mask is None and hasattr(values, "shape"):
+        # Every step of an unweighted, unmasked loss comes here: the shape alone answers.
+        return _element_count(tuple(values.shape))
     values = keras.ops.convert_to_tensor(values, dtype=dtype)
     weights = None
     if sample_weight is not None:
@@ -82,7 +86,16 @@ def loss_reduction_denominator(values, sample_weight, mask, reduction, dtype):
         for dim in mask.shape:
             total *= int(dim)
         return valid * (count / total), False
-    return keras.ops.convert_to_tensor(float(count), dtype="float64"), True
+    return _element_count(shape)
+
+
+def _element_count(shape):
+    if shape in ((), (0,)):
+        return None, False
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return float(count), True
 
 
 # ----- loss reductions dividing by the global batch's count (float8 under replicas) ----

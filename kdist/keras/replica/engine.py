@@ -44,6 +44,7 @@ from kdist.keras.replica import (
     merged_step,
     per_rank_input,
     process_sync,
+    replica_errors,
     state_sync,
     step_logs,
 )
@@ -171,6 +172,9 @@ class ReplicaEngine:
             # In a multi-worker job the gradient and state all-reduces run together;
             # this waits for both before anything is assigned.
             self.reconcile(state, scopes, weights, pending)
+        # Combined: the replicas' gradients are freed before the optimizer's temporaries take memory.
+        for recorder in recorders:
+            recorder.calls.clear()
         with torch.no_grad():
             for optimizer, variables, gradients in updates:
                 adapters.apply_update(optimizer, gradients, variables)
@@ -275,14 +279,18 @@ class ReplicaEngine:
         state_sync.assign(plan, combined)
 
     def _state_mapping(self, replica_id, state, training):
-        """What each replica reads instead of the canonical variables."""
+        """What each replica reads instead of the canonical variables: `(pairs, canonical pairs)`.
+
+        The canonical pairs are converted once per layout (`_compat.stateless_scope`)."""
         model = self.model
         device = self.devices[replica_id].torch_device
         canonical_device = self.devices[0].torch_device
+        canonical = ()
         if device == canonical_device:
             # Regularizers read trainable values through the scope, so map them
             # to the canonical Parameters themselves: no copy, still leaves.
-            mapping = list(state.canonical_mapping)
+            canonical = state.canonical_mapping
+            mapping = []
         else:
             variables = list(model.variables) + state.metric_variables
             copies = copy_to_device([_compat.torch_tensor_of(v).detach() for v in variables], device)
@@ -296,7 +304,7 @@ class ReplicaEngine:
                 (v, state_sync.seed_offset(_compat.torch_tensor_of(v), replica_id).to(device))
                 for v in state.seed_states
             )
-        return mapping
+        return mapping, canonical
 
     def _run_replica(self, replica_id, step_fn, shard, state, training, share=None):
         """Runs one replica's step in this thread (sequential mode).
@@ -347,17 +355,21 @@ class ReplicaEngine:
         `on_enter(scope)` is told the scope before the step starts.
         """
         model = self.model
-        mapping = self._state_mapping(replica_id, state, training)
+        mapping, canonical = self._state_mapping(replica_id, state, training)
         collect_losses = not faults.ACTIVE.drop_replica_losses
-        with keras.StatelessScope(mapping, collect_losses=collect_losses) as scope:
+        with _compat.stateless_scope(mapping, collect_losses, canonical, state.converted_canonical) as scope:
             if on_enter is not None:
                 on_enter(scope)
-            if training:
+            if training and not state.train_step_zeroes_gradients:
                 # A train_step that forgets zero_grad must not mix this
                 # replica's gradients into the previous replica's.
                 model.zero_grad(set_to_none=True)
             state.torch_buffers.start_replica(replica_id, training)  # torch modules' own buffers
-            logs = step_fn(shard)
+            try:
+                logs = step_fn(shard)
+            except Exception as error:
+                replica_errors.note(error, replica_id, self.devices, shard)
+                raise
         return scope, logs
 
     def merge_logs(self, logs, weights):

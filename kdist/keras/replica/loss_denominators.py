@@ -156,7 +156,9 @@ def _summarise(records):
     if len(records) == 1:
         return first
     if any(counts_elements for _, counts_elements in records):
-        return torch.tensor(float("nan"), dtype=torch.float64, device=first.device)
+        # An element count is a Python float; another record holds a tensor on the loss's device.
+        device = next(d.device for d, counts_elements in records if not counts_elements)
+        return torch.tensor(float("nan"), dtype=torch.float64, device=device)
     stacked = torch.stack([denominator.to(first.device) for denominator, _ in records])
     return torch.where((stacked == first).all(), first, torch.full_like(first, float("nan")))
 
