@@ -30,3 +30,15 @@ def pytest_collection_modifyitems(config, items):
         # The marker, not a keyword: a parametrize id that reads "gpu" is not a GPU test.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # The `kdist launch` processes tests start fork their ranks from this session's
+    # zygotes (one import of torch and Keras per environment for the whole run, not
+    # one per job), through a broker only this session's children can reach.
+    from kdist.launch import warm, warm_broker
+
+    if warm.enabled() and warm_broker.VARIABLE not in os.environ:
+        broker = warm_broker.Broker()
+        os.environ[warm_broker.VARIABLE] = broker.value
+        config.add_cleanup(broker.close)

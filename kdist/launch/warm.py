@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 
-from kdist.launch import child as _child, zygote as _zygote
+from kdist.launch import child as _child, warm_broker as _broker, zygote as _zygote
 
 PRELOADED_MODULES = ("numpy", "torch", "keras")
 # Environment variables read while those modules (or the interpreter) start: a
@@ -154,14 +154,20 @@ class WarmPool:
     another thread such a process starts cold. `close()` ends the zygotes and
     with them any process they started that still runs (close after the job).
 
+    Where the environment names a `kdist.launch.warm_broker.Broker`
+    (`KDIST_WARM_BROKER`), a zygote the broker's process keeps is used instead of
+    starting one (from any thread).
+
     Args:
         modules: what a zygote imports before it serves.
         core_dumps: as `ProcessSet`'s (False: children get a core-file limit of 0).
+        use_broker: ask the environment's broker first (a broker's own pool does not).
     """
 
-    def __init__(self, modules=PRELOADED_MODULES, core_dumps=False):
+    def __init__(self, modules=PRELOADED_MODULES, core_dumps=False, use_broker=True):
         self.modules = tuple(modules)
         self._core_dumps = core_dumps
+        self._use_broker = use_broker
         self._owner = threading.current_thread()
         self._lock = threading.Lock()
         self._zygotes = {}  # import-time environment -> _Zygote, or None once it failed
@@ -178,11 +184,7 @@ class WarmPool:
             return None
         key = import_time_environment(env)
         with self._lock:
-            if key not in self._zygotes:
-                if threading.current_thread() is not self._owner:
-                    return None
-                self._zygotes[key] = self._start_zygote(env)
-            zygote = self._zygotes[key]
+            zygote = self._zygote(key, env)
         if zygote is None:
             return None
         request = dict(command, env=dict(env), cwd=os.path.abspath(cwd or os.getcwd()))
@@ -194,6 +196,24 @@ class WarmPool:
                     self._zygotes[key] = None
                 self.unavailable = str(error)
             return None
+
+    def _zygote(self, key, env):
+        """(Under the lock.) The zygote for `key`: known, a broker's, or started here; None: start cold."""
+        if key not in self._zygotes:
+            control = _broker.request_control(env) if self._use_broker else None
+            if control is not None:
+                self._zygotes[key] = _Zygote.shared(control)
+            elif threading.current_thread() is not self._owner:
+                return None
+            else:
+                self._zygotes[key] = self._start_zygote(env)
+        return self._zygotes[key]
+
+    def zygote_control(self, env):
+        """The request socket of the zygote for `env` (started if needed), or None: what a broker hands out."""
+        with self._lock:
+            zygote = self._zygote(import_time_environment(env), env)
+        return None if zygote is None else zygote._control
 
     def _start_zygote(self, env):
         try:
@@ -223,6 +243,13 @@ class _ZygoteGone(OSError):
 
 
 class _Zygote:
+    @classmethod
+    def shared(cls, control):
+        """A zygote another process started, reached through `control` (a copy of its request socket)."""
+        zygote = cls.__new__(cls)
+        zygote._control, zygote._send_lock, zygote._process = control, threading.Lock(), None
+        return zygote
+
     def __init__(self, modules, env, core_dumps):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._control = ours
@@ -278,7 +305,9 @@ class _Zygote:
         return WarmProcess(reply["pid"], ours, os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
 
     def close(self):
-        self._control.close()  # The zygote reads end-of-file and exits.
+        self._control.close()  # The zygote reads end-of-file and exits (once every copy is closed).
+        if self._process is None:
+            return  # Another process's: it stays.
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -41,7 +41,8 @@ REPORT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def pool():
-    with warm.WarmPool() as pool:
+    # Its own zygotes, not the session's broker's (tests/conftest.py): closing it must end them.
+    with warm.WarmPool(use_broker=False) as pool:
         yield pool
 
 
@@ -143,7 +144,7 @@ def test_commands_and_environments_a_zygote_cannot_serve_start_cold(pool):
 
 
 def test_closing_the_pool_ends_its_zygote_and_children_still_running():
-    pool = warm.WarmPool()
+    pool = warm.WarmPool(use_broker=False)
     process = pool.spawn([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], _env())
     assert process.stdout.readline() == b"up\n"
     pool.close()

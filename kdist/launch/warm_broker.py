@@ -1,0 +1,140 @@
+"""One process's zygotes shared with the launchers it starts: a broker for `kdist.launch.warm`.
+
+A `kdist launch` started by another program (a test session runs hundreds) would
+start its own zygote, importing NumPy, torch and Keras again for every job. A
+`Broker` lets such launchers use zygotes the broker's process keeps instead: the
+broker puts `KDIST_WARM_BROKER` in the environment its children inherit, and a
+`WarmPool` that finds it asks the broker for the zygote of an import-time
+environment before starting one of its own. The broker starts that zygote once
+(in its own thread) and hands the pool a copy of the zygote's request socket; the
+pool then forks from it exactly as from its own zygote.
+
+Who may ask: the broker listens on an abstract Unix socket (no file), and answers
+only a peer running as the same user (`SO_PEERCRED`) that presents the random
+token from `KDIST_WARM_BROKER`; anything else gets the connection closed. What
+stays true of every warm child: it dies when its zygote dies (the broker's process
+ending), and its zygote kills it when the pool that asked for it closes its status
+socket (the launcher exiting or killed), so no child outlives the launcher that
+started it.
+"""
+
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+
+from kdist.launch import zygote as _zygote
+
+VARIABLE = "KDIST_WARM_BROKER"
+# How long one exchange with the broker may take: a zygote's imports (warm.START_SECONDS) plus margin.
+ANSWER_SECONDS = 200.0
+# How long the broker waits for a request once connected (a peer that sends nothing is dropped).
+REQUEST_SECONDS = 10.0
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class Broker:
+    """Serves the zygotes of a `WarmPool` it owns to the pools of other processes.
+
+    Start it from the thread that will outlive the processes it serves (usually
+    the main thread); it runs its own daemon thread, which owns the zygotes.
+    `close()` ends them, and with them every process they forked.
+    """
+
+    def __init__(self):
+        self._token = secrets.token_hex(16)
+        self._address = f"\0kdist-warm-{os.getpid()}-{secrets.token_hex(8)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(self._address)
+        self._listener.listen(16)
+        self._ready = threading.Event()
+        self._pool = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="kdist-warm-broker", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    @property
+    def value(self):
+        """What `KDIST_WARM_BROKER` holds for the processes this broker serves."""
+        return json.dumps({"address": self._address[1:], "token": self._token})
+
+    def _serve(self):
+        from kdist.launch import warm  # warm imports this module
+
+        self._pool = warm.WarmPool(use_broker=False)  # Owned by this thread: its zygotes die with it.
+        self._ready.set()
+        while not self._closed:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with connection:
+                self._answer(connection)
+
+    def _answer(self, connection):
+        ucred = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+        _, uid, _ = _CREDENTIALS.unpack(ucred)
+        request = _zygote.receive(connection, REQUEST_SECONDS)
+        if uid != os.getuid() or not isinstance(request, dict) or request.get("token") != self._token:
+            return  # A stranger: the connection closes unanswered.
+        control = self._pool.zygote_control(request.get("env") or {})
+        if control is None:
+            _zygote.send(connection, {"error": self._pool.unavailable or "no zygote"})
+            return
+        try:
+            socket.send_fds(connection, [b'{"ok": true}'], [control.fileno()])
+        except OSError:
+            pass
+
+    def close(self):
+        """Stops answering and ends the zygotes (and every process they forked that still runs)."""
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(timeout=ANSWER_SECONDS)
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+
+def request_control(env, environ=None):
+    """A socket to the broker's zygote for `env`'s import-time environment, or None.
+
+    None when `environ` (default `os.environ`) names no broker, the broker is
+    gone, or it has no zygote for `env`; the caller then starts its own.
+    """
+    value = (os.environ if environ is None else environ).get(VARIABLE)
+    if not value:
+        return None
+    try:
+        named = json.loads(value)
+        address, token = "\0" + named["address"], named["token"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+        try:
+            connection.settimeout(ANSWER_SECONDS)
+            connection.connect(address)
+            connection.send(json.dumps({"token": token, "env": dict(env)}).encode())
+            data, fds, _, _ = socket.recv_fds(connection, _zygote.MAX_MESSAGE, 1)
+        except OSError:
+            return None
+        if not fds:
+            return None
+        control = socket.socket(fileno=fds[0])
+        if not data or "ok" not in json.loads(data):
+            control.close()
+            return None
+        return control
