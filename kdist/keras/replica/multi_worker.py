@@ -13,7 +13,8 @@
 - Side effects: only the chief (rank 0) shows a progress bar and runs
   `CSVLogger` and `TensorBoard` (the rule is `kdist.keras.chief_only`'s). `model.save`/`save_weights` are collectives:
   the chief writes to a temporary file, fsyncs it and renames it into place
-  (`kdist.atomic_files`), then every rank continues. `BackupAndRestore` saves
+  (`kdist.atomic_files`), then every rank continues; a rank given a file of its
+  own writes it too. `BackupAndRestore` saves
   the same way and every rank restores.
 - Decisions made from logs (`EarlyStopping`, `ReduceLROnPlateau`, best-only
   checkpoints) agree on every rank because the logs are bitwise identical.
@@ -25,6 +26,7 @@ import inspect
 import json
 import os
 import random
+import socket
 import threading
 
 import keras
@@ -208,15 +210,16 @@ def _create_checkpoint_directory(callback, strategy):
 
 
 # ----- saving ----------------------------------------------------------------------
-def run_on_chief(strategy, write, name):
+def run_on_chief(strategy, write, name, also_here=False):
     """Runs `write()` on the chief (`strategy.extended.is_chief`) only; every rank returns once it finished.
 
-    A failure on the chief is raised on the chief and reported on the other
-    ranks as a `KdistError`, so no rank waits for a save that will not come.
+    `also_here`: this rank runs `write()` too. A failure is raised where it
+    happened and reported on the other ranks as a `KdistError`, so no rank
+    waits for a save that will not come.
     """
     error = None
     collectives = strategy.extended.collectives
-    if strategy.extended.is_chief:
+    if strategy.extended.is_chief or also_here:
         try:
             write()
         except Exception as caught:  # noqa: BLE001 - re-raised below, after the others are told
@@ -225,14 +228,31 @@ def run_on_chief(strategy, write, name):
     if error is not None:
         raise error
     if not succeeded:
-        raise KdistError(f"The chief (rank 0) failed while running {name}; see its log for the error.")
+        raise KdistError(f"Another rank (the chief, or one saving to a path of its own) failed while running "
+                         f"{name}; see its log for the error.")
 
 
 def collective_save(strategy, save, model, filepath, args, kwargs):
-    """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait."""
+    """`model.save`/`save_weights` in a multi-worker job: the chief writes atomically, all wait.
+
+    A rank given another file than the chief's (TensorFlow's multi-worker
+    tutorial gives each worker a temporary directory of its own) writes it too,
+    as it would on one device; a rank given the chief's file on the chief's
+    host leaves it to the chief, so no two processes write one file.
+    """
     gradient_accumulation.flush(model)  # the file holds the whole job's accumulated gradients
     write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
-    run_on_chief(strategy, write, f"save({os.fspath(filepath)})")
+    name = f"save({_save_target(filepath)[1]})"
+    chief_target = strategy.extended.collectives.broadcast_object(_save_target(filepath), name="save path")
+    run_on_chief(strategy, write, name, also_here=_save_target(filepath) != chief_target)
+
+
+def _save_target(filepath):
+    """`(host, path)` naming the file a save writes: two ranks with equal targets write one file."""
+    if isinstance(filepath, (str, os.PathLike)):
+        path = os.fspath(filepath)
+        return (socket.gethostname(), path if "://" in path else os.path.realpath(path))
+    return (socket.gethostname(), repr(filepath))  # A file object: this rank's own.
 
 
 def _make_backup_collective(callback, strategy):

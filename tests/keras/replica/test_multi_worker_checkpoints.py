@@ -61,6 +61,19 @@ def test_only_the_chief_writes_and_the_checkpoint_loads_in_plain_keras(tmp_path)
     np.testing.assert_allclose(np.load(predictions), ranks[0]["predict"], atol=1e-6)
 
 
+def test_a_rank_saving_to_a_path_of_its_own_writes_it_as_the_tensorflow_tutorial_expects(tmp_path):
+    # tf.distribute's multi-worker tutorial: the chief saves to the real path, every other
+    # worker to a temporary directory of its own, which it then removes (and which must exist).
+    specs = harness.python_specs(harness.torchrun_envs(2), WORKER, "--mode", "own_paths", "--dir", str(tmp_path))
+    harness.run(specs, timeout=150).check()
+    assert sorted(os.listdir(tmp_path)) == ["model.keras", "model.weights.h5", "rank0.npz", "rank1.npz"]
+    ranks = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(2)]
+    for results in ranks:
+        np.testing.assert_array_equal(results["reloaded_predict"], results["predict"])
+        np.testing.assert_array_equal(results["weights_predict"], results["predict"])
+    np.testing.assert_array_equal(ranks[0]["predict"], ranks[1]["predict"])
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_reference():
     return fit_equivalence.train(epochs=4)
