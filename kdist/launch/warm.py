@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 
-from kdist.launch import child as _child, warm_broker as _broker, zygote as _zygote
+from kdist.launch import child as _child, zygote as _zygote
 
 PRELOADED_MODULES = ("numpy", "torch", "keras")
 # Environment variables read while those modules (or the interpreter) start: a
@@ -59,6 +59,10 @@ ENABLE_VARIABLE = "KDIST_WARM"
 START_SECONDS = 180.0
 # How long a zygote may take to answer a fork request with the child's pid.
 FORK_SECONDS = 60.0
+# Names the `kdist.launch.warm_broker.Broker` whose zygotes a pool uses first.
+BROKER_VARIABLE = "KDIST_WARM_BROKER"
+# How long one exchange with a broker may take: a zygote's imports plus margin.
+BROKER_ANSWER_SECONDS = START_SECONDS + 20.0
 
 
 def supported():
@@ -120,6 +124,37 @@ def _same_file(a, b):
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def request_broker_control(env, environ=None):
+    """A socket to the zygote of `kdist.launch.warm_broker.Broker` for `env`'s import-time environment, or None.
+
+    None when `environ` (default `os.environ`) names no broker, the broker is
+    gone, or it has no zygote for `env`; the caller then starts its own.
+    """
+    value = (os.environ if environ is None else environ).get(BROKER_VARIABLE)
+    if not value:
+        return None
+    try:
+        named = json.loads(value)
+        address, token = "\0" + named["address"], named["token"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+        try:
+            connection.settimeout(BROKER_ANSWER_SECONDS)
+            connection.connect(address)
+            connection.send(json.dumps({"token": token, "env": dict(env)}).encode())
+            data, fds, _, _ = socket.recv_fds(connection, _zygote.MAX_MESSAGE, 1)
+        except OSError:
+            return None
+        if not fds:
+            return None
+        control = socket.socket(fileno=fds[0])
+        if not data or "ok" not in json.loads(data):
+            control.close()
+            return None
+        return control
 
 
 # ----- the pool (the launcher's side) --------------------------------------------------
@@ -200,7 +235,7 @@ class WarmPool:
     def _zygote(self, key, env):
         """(Under the lock.) The zygote for `key`: known, a broker's, or started here; None: start cold."""
         if key not in self._zygotes:
-            control = _broker.request_control(env) if self._use_broker else None
+            control = request_broker_control(env) if self._use_broker else None
             if control is not None:
                 self._zygotes[key] = _Zygote.shared(control)
             elif threading.current_thread() is not self._owner:

@@ -25,11 +25,9 @@ import socket
 import struct
 import threading
 
-from kdist.launch import zygote as _zygote
+from kdist.launch import warm, zygote as _zygote
 
-VARIABLE = "KDIST_WARM_BROKER"
-# How long one exchange with the broker may take: a zygote's imports (warm.START_SECONDS) plus margin.
-ANSWER_SECONDS = 200.0
+VARIABLE = warm.BROKER_VARIABLE  # The pool's side, `warm.request_broker_control`, reads it.
 # How long the broker waits for a request once connected (a peer that sends nothing is dropped).
 REQUEST_SECONDS = 10.0
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -62,8 +60,6 @@ class Broker:
         return json.dumps({"address": self._address[1:], "token": self._token})
 
     def _serve(self):
-        from kdist.launch import warm  # warm imports this module
-
         self._pool = warm.WarmPool(use_broker=False)  # Owned by this thread: its zygotes die with it.
         self._ready.set()
         while not self._closed:
@@ -97,7 +93,7 @@ class Broker:
         except OSError:
             pass
         self._listener.close()
-        self._thread.join(timeout=ANSWER_SECONDS)
+        self._thread.join(timeout=warm.BROKER_ANSWER_SECONDS)
         if self._pool is not None:
             self._pool.close()
 
@@ -107,34 +103,3 @@ class Broker:
     def __exit__(self, *exc_info):
         self.close()
         return False
-
-
-def request_control(env, environ=None):
-    """A socket to the broker's zygote for `env`'s import-time environment, or None.
-
-    None when `environ` (default `os.environ`) names no broker, the broker is
-    gone, or it has no zygote for `env`; the caller then starts its own.
-    """
-    value = (os.environ if environ is None else environ).get(VARIABLE)
-    if not value:
-        return None
-    try:
-        named = json.loads(value)
-        address, token = "\0" + named["address"], named["token"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
-        try:
-            connection.settimeout(ANSWER_SECONDS)
-            connection.connect(address)
-            connection.send(json.dumps({"token": token, "env": dict(env)}).encode())
-            data, fds, _, _ = socket.recv_fds(connection, _zygote.MAX_MESSAGE, 1)
-        except OSError:
-            return None
-        if not fds:
-            return None
-        control = socket.socket(fileno=fds[0])
-        if not data or "ok" not in json.loads(data):
-            control.close()
-            return None
-        return control

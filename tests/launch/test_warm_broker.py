@@ -81,8 +81,8 @@ def test_a_stranger_without_the_token_is_refused_and_the_broker_still_serves(bro
         data, fds, _, _ = socket.recv_fds(stranger, 1 << 16, 1)
     assert (data, fds) == (b"", [])  # closed unanswered: no zygote socket
     bad = json.dumps({**named, "token": "guess"})
-    assert warm_broker.request_control(dict(os.environ), {warm_broker.VARIABLE: bad}) is None
-    control = warm_broker.request_control(dict(os.environ), {warm_broker.VARIABLE: broker.value})
+    assert warm.request_broker_control(dict(os.environ), {warm_broker.VARIABLE: bad}) is None
+    control = warm.request_broker_control(dict(os.environ), {warm_broker.VARIABLE: broker.value})
     assert control is not None
     control.close()
 
