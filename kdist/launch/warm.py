@@ -91,7 +91,7 @@ def parse_command(argv):
     Runnable: `sys.executable [-u] [-B] [-X faulthandler] (script | -m module | -c code) args...`.
     """
     argv = list(argv)
-    if not argv or not _same_file(argv[0], sys.executable):
+    if not argv or not same_interpreter(argv[0], sys.executable):
         return None
     command = {"unbuffered": False, "faulthandler": False}
     index = 1
@@ -119,9 +119,16 @@ def parse_command(argv):
     return None  # An interactive interpreter.
 
 
-def _same_file(a, b):
+def same_interpreter(a, b):
+    """Whether executables `a` and `b` are one Python with one environment.
+
+    The same file is not enough: every virtual environment's `bin/python` is a
+    link to one base interpreter, and which packages it sees follows from the
+    folder the link is in (its `pyvenv.cfg`). So the folders must be one too.
+    """
     try:
-        return os.path.samefile(a, b)
+        return os.path.samefile(a, b) and os.path.samefile(os.path.dirname(os.path.abspath(a)),
+                                                           os.path.dirname(os.path.abspath(b)))
     except OSError:
         return False
 
@@ -144,7 +151,7 @@ def request_broker_control(env, environ=None):
         try:
             connection.settimeout(BROKER_ANSWER_SECONDS)
             connection.connect(address)
-            connection.send(json.dumps({"token": token, "env": dict(env)}).encode())
+            connection.send(json.dumps({"token": token, "env": dict(env), "executable": sys.executable}).encode())
             data, fds, _, _ = socket.recv_fds(connection, _zygote.MAX_MESSAGE, 1)
         except OSError:
             return None

@@ -9,7 +9,9 @@ environment before starting one of its own. The broker starts that zygote once
 (in its own thread) and hands the pool a copy of the zygote's request socket; the
 pool then forks from it exactly as from its own zygote.
 
-Who may ask: the broker listens on an abstract Unix socket (no file), and answers
+Only a pool running the broker's own Python (the same interpreter in the same
+virtual environment, `warm.same_interpreter`) gets a zygote: a zygote runs the
+broker's packages. Who may ask: the broker listens on an abstract Unix socket (no file), and answers
 only a peer running as the same user (`SO_PEERCRED`) that presents the random
 token from `KDIST_WARM_BROKER`; anything else gets the connection closed. What
 stays true of every warm child: it dies when its zygote dies (the broker's process
@@ -23,6 +25,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 
 from kdist.launch import warm, zygote as _zygote
@@ -76,6 +79,11 @@ class Broker:
         request = _zygote.receive(connection, REQUEST_SECONDS)
         if uid != os.getuid() or not isinstance(request, dict) or request.get("token") != self._token:
             return  # A stranger: the connection closes unanswered.
+        executable = request.get("executable")
+        if not isinstance(executable, str) or not warm.same_interpreter(executable, sys.executable):
+            # Its zygotes run this process's Python and packages: another's would run the wrong ones.
+            _zygote.send(connection, {"error": f"the broker runs {sys.executable}, not {executable!r}"})
+            return
         control = self._pool.zygote_control(request.get("env") or {})
         if control is None:
             _zygote.send(connection, {"error": self._pool.unavailable or "no zygote"})

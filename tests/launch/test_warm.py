@@ -180,3 +180,13 @@ def test_kdist_launch_forks_its_ranks_unless_told_not_to(tmp_path, warm_flag):
 def test_a_lone_process_without_restarts_starts_cold(tmp_path):
     # Nothing to share with one process: started by the launcher itself.
     assert _started_by_the_launcher(tmp_path, "--nproc", "1") == [True]
+
+
+def test_another_virtual_environment_s_python_starts_cold(tmp_path):
+    # Every venv's bin/python links to one base interpreter; its folder decides its packages.
+    other = tmp_path / "other-venv" / "bin"
+    other.mkdir(parents=True)
+    (other / "python").symlink_to(os.path.realpath(sys.executable))
+    assert os.path.samefile(other / "python", sys.executable)
+    assert not warm.same_interpreter(str(other / "python"), sys.executable)
+    assert warm.parse_command([str(other / "python"), "x.py"]) is None

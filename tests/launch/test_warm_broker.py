@@ -87,6 +87,28 @@ def test_a_stranger_without_the_token_is_refused_and_the_broker_still_serves(bro
     control.close()
 
 
+def _ask(broker, executable):
+    named = json.loads(broker.value)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as pool:
+        pool.settimeout(120)
+        pool.connect("\0" + named["address"])
+        pool.send(json.dumps({"token": named["token"], "env": dict(os.environ), "executable": executable}).encode())
+        data, fds, _, _ = socket.recv_fds(pool, 1 << 16, 1)
+    for fd in fds:
+        os.close(fd)
+    return json.loads(data), len(fds)
+
+
+def test_a_pool_running_another_environment_s_python_gets_no_zygote(tmp_path, broker):
+    # Its zygote would run this environment's packages (Keras 3.15 for a Keras 3.16 job, say).
+    other = tmp_path / "other-venv" / "bin"
+    other.mkdir(parents=True)
+    (other / "python").symlink_to(os.path.realpath(sys.executable))
+    answer, fds = _ask(broker, str(other / "python"))
+    assert fds == 0 and "error" in answer and str(other / "python") in answer["error"]
+    assert _ask(broker, sys.executable) == ({"ok": True}, 1)  # the control: this environment's
+
+
 def test_ranks_of_a_launcher_killed_with_sigkill_die_with_it(tmp_path, broker):
     # The broker's zygote outlives the launcher; the ranks it forked for it must not.
     script = textwrap.dedent(
