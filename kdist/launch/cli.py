@@ -9,6 +9,7 @@ the user's script as child processes, which do. `kdist server` (see
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -325,15 +326,18 @@ class _StopOnSignal:
         return False
 
     def _handle(self, signum, frame):
+        # Handed to a thread: the handler runs in the main thread, which may be between
+        # the set's policy and its wait, holding the set's condition. Called here, the
+        # stop and its notify would land before that wait began and be lost (the wait
+        # has no deadline); from another thread they wait for the condition and wake it.
         if self.received is None:
             self.received = signum
-            self._processes.request_stop(
-                f"the launcher received {signal.Signals(signum).name}; SIGTERM to every process, "
-                f"SIGKILL after {self._grace:g}s",
-                timeout=self._grace,
-            )
+            reason = (f"the launcher received {signal.Signals(signum).name}; SIGTERM to every process, "
+                      f"SIGKILL after {self._grace:g}s")
+            act = functools.partial(self._processes.request_stop, reason, timeout=self._grace)
         else:
-            self._processes.kill_all()
+            act = self._processes.kill_all
+        threading.Thread(target=act, name=f"kdist-stop-{signal.Signals(signum).name}", daemon=True).start()
 
 
 def _say(message):

@@ -7,6 +7,7 @@ orphans start the real `python -m kdist launch` through the test harness.
 import json
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -425,3 +426,36 @@ def test_children_die_when_the_launcher_is_killed(tmp_path):
 
     assert result.returncodes == {"launcher": -signal.SIGKILL}
     assert harness.wait_until_gone(pids, timeout=10) == []
+
+
+def test_a_stop_signal_landing_between_the_policy_and_the_wait_is_not_lost():
+    # A signal handler runs in the main thread at any bytecode: here right after the
+    # set applied its policy and before it waits (with no deadline). The stop must
+    # still reach the processes (it once notified nobody and the launcher hung).
+    from kdist.launch.processes import ProcessSet
+    from kdist.launch.spec import ProcessSpec
+
+    spec = ProcessSpec("sleeper", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"])
+    processes = ProcessSet([spec], grace_seconds=1, kill_after_seconds=1)
+    stopper = cli._StopOnSignal(processes, 1)
+    apply_policy = processes._apply_policy
+    landed = []
+
+    def apply_then_signal(now):
+        wake_at = apply_policy(now)
+        if not landed and processes.wait_for_output("sleeper", "up", 0):
+            landed.append(True)
+            stopper._handle(signal.SIGTERM, None)
+        return wake_at
+
+    processes._apply_policy = apply_then_signal
+    processes.start()
+    try:
+        assert processes.wait_for_output("sleeper", "up", 60)
+        waiter = threading.Thread(target=processes.wait, daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert landed and not waiter.is_alive(), "the stop was lost: the set still waits"
+        assert processes.returncodes["sleeper"] == -signal.SIGTERM
+    finally:
+        processes.kill_all()
