@@ -225,15 +225,10 @@ def _global_divisor_for(values, sample_weight, mask, reduction):
     records = getattr(_local, "records", None)
     if global_divisor is None or not records:
         return None
-    denominator, counts_elements, _ = records[-1]
-    if not counts_elements or reduction not in _MEAN_REDUCTIONS:
+    count, counts_elements, _ = records[-1]
+    # An element-count record holds the count itself (a float; never for a 0-d value).
+    if not counts_elements or reduction not in _MEAN_REDUCTIONS or int(values.shape[0]) == 0:
         return None
-    shape = tuple(values.shape)
-    if not shape or shape[0] == 0:
-        return None
-    count = 1
-    for dim in shape:
-        count *= int(dim)
     # count = n_k * (entries per sample): the global batch has N / n_k times as many.
-    records[-1] = (denominator, counts_elements, True)
+    records[-1] = (count, counts_elements, True)
     return float(round(count / global_divisor[1]))

@@ -242,9 +242,9 @@ def collective_save(strategy, save, model, filepath, args, kwargs):
     """
     gradient_accumulation.flush(model)  # the file holds the whole job's accumulated gradients
     write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
-    name = f"save({_save_target(filepath)[1]})"
-    chief_target = strategy.extended.collectives.broadcast_object(_save_target(filepath), name="save path")
-    run_on_chief(strategy, write, name, also_here=_save_target(filepath) != chief_target)
+    target = _save_target(filepath)
+    chief_target = strategy.extended.collectives.broadcast_object(target, name="save path")
+    run_on_chief(strategy, write, f"save({target[1]})", also_here=target != chief_target)
 
 
 def _save_target(filepath):
