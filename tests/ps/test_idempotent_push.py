@@ -1,5 +1,6 @@
 """Exactly-once pushes: a push's `update_id` is applied once per server."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -36,7 +37,8 @@ def test_a_repeated_update_id_is_applied_once_with_the_first_result(client):
     _create(client)
     first = client.push(_ones(), update_id="closure-1/0")
     again = client.push(_ones(), update_id="closure-1/0")
-    assert again == first and first.versions == {"w": 1}
+    assert again == dataclasses.replace(first, deduplicated=True) and first.versions == {"w": 1}
+    assert first.deduplicated is False
     np.testing.assert_array_equal(_value(client), np.full((4, 3), -1.0))
     stats = client.stats()
     assert stats.deduplicated_updates == 1
@@ -98,7 +100,10 @@ def test_concurrent_pushes_with_one_new_update_id_apply_once(server, options):
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads), "a pushing thread hung"
     assert not errors, errors
-    assert all(result == results[0] for result in results) and results[0].versions == {"w": 1}
+    # One applied; every other got its result, marked as a repeat.
+    assert sorted(result.deduplicated for result in results) == [False] + [True] * (NUM_THREADS - 1)
+    assert all(dataclasses.replace(result, deduplicated=False) == dataclasses.replace(results[0], deduplicated=False)
+               for result in results) and results[0].versions == {"w": 1}
     stats = server.stats()
     assert stats.variables["w"].applied_updates == 1
     assert stats.deduplicated_updates == NUM_THREADS - 1
@@ -157,7 +162,7 @@ def test_a_push_waits_while_another_holds_its_update_id():
     assert thread.is_alive() and store.stats().variables["w"].version == 0
     store.update_ids.release("x")  # that push failed: this one applies
     thread.join(timeout=30)
-    assert results == [({"w": 1}, (), {})]
+    assert results == [({"w": 1}, (), {}, False, b"")]
 
 
 def test_the_oldest_update_ids_are_forgotten_first():

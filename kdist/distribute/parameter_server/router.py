@@ -224,7 +224,7 @@ class VariableRouter:
         return values
 
     # ----- writes -----------------------------------------------------------------
-    def send_gradients(self, dense, rows=(), assign=(), update_id=None):
+    def send_gradients(self, dense, rows=(), assign=(), update_id=None, outcome=b""):
         """Sends one update to every server it concerns, in parallel (stage 1 of a push).
 
         Args:
@@ -235,6 +235,8 @@ class VariableRouter:
                 applies it once (see `kdist.ps.VariableClient.push`). None:
                 the next id of this thread's `idempotent_updates` block, or
                 no id outside one.
+            outcome: bytes kept by every server contacted with the id and
+                returned to a repeat (see `kdist.ps.VariableClient.push`).
 
         Returns:
             A list of `kdist.ps.PushResult`, one per server contacted.
@@ -248,6 +250,7 @@ class VariableRouter:
             update_id = None if block is None else block.next_id()
         check_update_id(update_id)
         requests = {}
+        assigned = {}  # ps index -> (route, position) of the local values this push assigns
         for route, gradient in dense:
             gradient = to_numpy(gradient)
             for position, shard in enumerate(route.placement.shards):
@@ -266,8 +269,19 @@ class VariableRouter:
             for position, shard in enumerate(route.placement.shards):
                 assignment = Assignment(route.keys[position], route.placement.shard_part(position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
+                assigned.setdefault(shard.ps_index, []).append((route, position))
         results = self._per_server(
-            requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id))
+            requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id,
+                                                       outcome=outcome))
+        for ps_index, result in results.items():
+            if result.deduplicated:
+                # Nothing was applied, so the server's values are not the local
+                # ones this step assigned (a re-run closure's BatchNorm
+                # statistics), and their versions did not move: forget them,
+                # so that the next pull reads them again. (Gradients left the
+                # local values as they were.)
+                for route, position in assigned.get(ps_index, ()):
+                    route.versions[position] = -1
         return list(results.values())
 
     @contextlib.contextmanager
@@ -310,6 +324,10 @@ class VariableRouter:
             yield
         finally:
             self._update_ids.block = outer
+
+    def in_idempotent_block(self):
+        """True inside this thread's `idempotent_updates` block (a closure's pushes)."""
+        return getattr(self._update_ids, "block", None) is not None
 
     def assign(self, routes):
         """Writes the local values of `routes` to their servers (restoring weights, for instance).

@@ -39,7 +39,7 @@ from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat
 from kdist.keras.parameter_server.chief_data import EpochSource, IndexedBatches, split_validation
 from kdist.keras import step_resume
-from kdist.keras.parameter_server import chief_resume, save_points
+from kdist.keras.parameter_server import chief_resume, closure_outcome, save_points
 from kdist.keras.parameter_server.describers import add_state
 from kdist.keras.progress import CoordinatorStatusLogger, resolve_verbose
 
@@ -71,7 +71,7 @@ def run_steps(model, kind, source, steps, skip=0):
     for step in range(steps):
         batch = source[step] if isinstance(source, (list, IndexedBatches)) else next(source)
         function([_to_torch(batch)])
-    states = [np.asarray(variable.numpy()) for variable in _metric_variables(model)]
+    states = [np.asarray(variable.numpy()) for variable in closure_outcome.metric_variables(model)]
     # An empty batch of the same structure, shapes and dtypes: enough for the
     # chief to build its own metrics symbolically.
     spec = keras.tree.map_structure(
@@ -106,7 +106,7 @@ class _MetricMerger:
 
     def __init__(self, model, skip=None):
         self._model = model
-        self._variables = _metric_variables(model)
+        self._variables = closure_outcome.metric_variables(model)
         self._skip = skip
         if skip is not None and len(self._variables) == len(skip.state["metrics"]):
             self._restore()
@@ -118,15 +118,11 @@ class _MetricMerger:
     def add(self, states, spec):
         if len(self._variables) != len(states) and spec is not None:
             _compat.symbolic_build(self._model, spec)
-            self._variables = _metric_variables(self._model)
+            self._variables = closure_outcome.metric_variables(self._model)
         if self._skip is not None:
             self._restore()
         add_state(self._variables, states,
                   what=f"the metrics of {self._model.name!r} (compile the model in strategy.scope() before fit)")
-
-
-def _metric_variables(model):
-    return [variable for metric in model.metrics for variable in metric.variables]
 
 
 def _results(model):

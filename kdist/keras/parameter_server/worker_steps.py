@@ -34,6 +34,7 @@ import torch
 from kdist import faults
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat, adapters, atomic_save
+from kdist.keras.parameter_server import closure_outcome
 from kdist.keras.parameter_server import embeddings as ps_embeddings
 from kdist.keras.parameter_server import remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
@@ -152,10 +153,23 @@ class PSSession:
         return dense, rows
 
     def send_updates(self, dense, rows, state_routes=()):
-        """Sends a step's update, plus those of `state_routes` (non-trainable) that the step changed."""
+        """Sends a step's update, plus those of `state_routes` (non-trainable) that the step changed.
+
+        Inside a closure (an `idempotent_updates` block) the push carries the
+        model's metric state, and a push the servers had already applied (the
+        closure is a re-run) puts the first run's state back (`closure_outcome`).
+        """
         assign = [route for route in state_routes if not route.trainable and self.router.changed(route)]
-        if dense or rows or assign:
+        if not (dense or rows or assign):
+            return
+        if self.model is None or not self.router.in_idempotent_block():
             self.router.send_gradients(dense, rows, assign)
+            return
+        metrics = closure_outcome.metric_variables(self.model)
+        results = self.router.send_gradients(dense, rows, assign, outcome=closure_outcome.encode(metrics))
+        replayed = [result for result in results if result.deduplicated]
+        if replayed and metrics:
+            closure_outcome.restore(metrics, replayed[0].outcome)
 
     # ----- save -------------------------------------------------------------------
     def read_back(self):

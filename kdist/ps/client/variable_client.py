@@ -23,7 +23,7 @@ from kdist.ps.wire.conventions import canonical_config
 from kdist.ps.wire.methods import METHODS
 from kdist.rpc.security import Security
 from kdist.ps.wire.values import (PushResult, ServerStats, StalenessStats, VariableState, VariableStats,
-                                   check_name, check_update_id)
+                                   check_name, check_outcome, check_update_id)
 
 # (initial, max) milliseconds between reconnection attempts of the channel.
 RECONNECT_BACKOFF_MS = (100, 1000)
@@ -177,7 +177,7 @@ class VariableClient:
 
         return self._call("Pull", request, read)
 
-    def push(self, gradients, assignments=(), update_id=None):
+    def push(self, gradients, assignments=(), update_id=None, outcome=b""):
         """Applies gradients with the server's optimizer, then assignments.
 
         Each gradient is applied atomically under its variable's lock. The whole
@@ -194,13 +194,20 @@ class VariableClient:
                 push whose outcome is unknown (its worker died, the connection
                 dropped) can be sent again safely. A push the server refused
                 (`INVALID_ARGUMENT`, ...) does not use up its id.
+            outcome: bytes (at most `kdist.ps.wire.values.MAX_OUTCOME_BYTES`)
+                that the caller computed from the values these gradients came
+                from, e.g. a closure's metric state. The server keeps them with
+                `update_id`, and a repeat of the id gets them back in
+                `PushResult.outcome`: a re-run closure, whose reads already see
+                this push applied, can report what its first run computed.
 
         Returns:
             A `PushResult`.
 
         Raises:
             kdist.errors.InvalidArgumentError: an `update_id` that is not a
-                string of at most 256 characters.
+                string of at most 256 characters, or an `outcome` that is not
+                bytes of at most 1 MiB.
             kdist.errors.ParameterServerError: `NOT_FOUND` (unknown variable),
                 `INVALID_ARGUMENT` (shape, dtype, row id, non-trainable target,
                 a variable twice), `FAILED_PRECONDITION` (no optimizer).
@@ -210,6 +217,7 @@ class VariableClient:
         >>> client.push([DenseGradient("w", gradient)], update_id="closure-17/0")  # doctest: +SKIP
         """
         check_update_id(update_id)
+        check_outcome(outcome)
         metas, arrays = [], []
         for gradient in gradients:
             meta, payload = encode_gradient(gradient)
@@ -217,11 +225,12 @@ class VariableClient:
             arrays.extend(payload)
         assignment_metas, assignment_arrays = assignment_payload(assignments)
         header = pb.PushHeader(gradients=metas, assignments=assignment_metas,
-                               update_id=client_retry.update_id_or_fresh(update_id))
+                               update_id=client_retry.update_id_or_fresh(update_id),
+                               outcome=bytes(outcome))
         # Sent again (server restarting) with its id: applied once in all.
         response = self._call("Push", lambda: self._stream(header, arrays + assignment_arrays))
         return PushResult(dict(response.versions), tuple(response.rejected),
-                          dict(response.staleness))
+                          dict(response.staleness), response.deduplicated, response.outcome)
 
     def assign(self, assignments, update_id=None):
         """Replaces variables' values; returns name -> new version.

@@ -29,6 +29,7 @@ raises a variable's version by at most one). When the count is unknown (no
 counter file, a torn one), the jump is `UNKNOWN_LOSS_VERSION_JUMP`.
 """
 
+import base64
 import contextlib
 import logging
 import mmap
@@ -113,16 +114,19 @@ class RememberedUpdateIds(AppliedUpdateIds):
         """The most recent `limit` ids and results, as JSON-ready lists, oldest first."""
         with self._condition:
             items = list(self._results.items())[-limit:]
-        return [[update_id, dict(versions), list(rejected), dict(staleness)]
-                for update_id, (versions, rejected, staleness) in items]
+            outcomes = [self._outcomes.get(update_id, b"") for update_id, _ in items]
+        return [[update_id, dict(versions), list(rejected), dict(staleness),
+                 base64.b64encode(outcome).decode("ascii")]
+                for (update_id, (versions, rejected, staleness)), outcome in zip(items, outcomes)]
 
     def load(self, items):
         """Remembers ids from `snapshot` (after a restore)."""
-        with self._condition:
-            for update_id, versions, rejected, staleness in items:
-                self._results[str(update_id)] = (
-                    {str(k): int(v) for k, v in versions.items()}, tuple(map(str, rejected)),
-                    {str(k): int(v) for k, v in staleness.items()})
+        for update_id, versions, rejected, staleness, *outcome in items:
+            # Checkpoints written before outcomes were kept have four fields.
+            self.record(str(update_id), (
+                {str(k): int(v) for k, v in versions.items()}, tuple(map(str, rejected)),
+                {str(k): int(v) for k, v in staleness.items()}),
+                base64.b64decode(outcome[0]) if outcome else b"")
 
 
 class _Counter:

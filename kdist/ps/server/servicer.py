@@ -32,7 +32,7 @@ from kdist.ps.wire import codec
 from kdist.ps.wire._generated import variable_service_pb2 as pb
 from kdist.ps.wire.methods import METHODS, SERVICE_NAME
 from kdist.ps.wire.status import FailedPreconditionError, cap_detail, name_list, status_code
-from kdist.ps.wire.values import check_name, check_update_id
+from kdist.ps.wire.values import check_name, check_outcome, check_update_id
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ class VariableServicer:
                     f"{len(header.gradients)} gradient(s); push them instead."
                 )
             check_update_id(header.update_id)
+            check_outcome(header.outcome)
             plans.append(self.store.plan_update(
                 [_gradient_spec(meta) for meta in header.gradients],
                 [(meta.name, *codec.parse_meta(meta.value, f"assignment to {meta.name!r}"))
@@ -225,8 +226,9 @@ class VariableServicer:
         self.store.count_bytes(received=sum(array.nbytes for array in arrays))
         try:
             with self._applying():
-                versions, rejected, staleness = self.store.apply_update(
-                    plans[0], arrays, count_push=gradients_allowed, update_id=header.update_id)
+                applied = self.store.apply_update(
+                    plans[0], arrays, count_push=gradients_allowed, update_id=header.update_id,
+                    outcome=header.outcome)
                 counted = self.autosaver is not None and self.autosaver.count_applied()
             # Saved before the answer: an acknowledged push is in a due checkpoint.
             if counted and gradients_allowed:
@@ -236,7 +238,9 @@ class VariableServicer:
         finally:
             for array in arrays[: len(arrays) - len(plans[0].assignments)]:
                 self._buffers.give(array)
-        return pb.PushResponse(versions=versions, rejected=rejected, staleness=staleness)
+        return pb.PushResponse(versions=applied.versions, rejected=applied.rejected,
+                               staleness=applied.staleness, deduplicated=applied.deduplicated,
+                               outcome=applied.outcome)
 
     def assign(self, frames):
         return self.push(frames, gradients_allowed=False)

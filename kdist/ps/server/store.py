@@ -22,6 +22,7 @@ arrays through each variable's `VariableOptimizer`.
 import collections
 import dataclasses
 import threading
+import typing
 
 import numpy as np
 
@@ -49,6 +50,16 @@ class GradientSpec:
     shape: tuple
     num_row_ids: int = 0
     version: int | None = None
+
+
+class AppliedPush(typing.NamedTuple):
+    """What `VariableStore.apply_update` did (the fields of `kdist.ps.PushResult`)."""
+
+    versions: dict
+    rejected: tuple
+    staleness: dict
+    deduplicated: bool = False
+    outcome: bytes = b""
 
 
 @dataclasses.dataclass
@@ -250,7 +261,7 @@ class VariableStore:
             layout.append((dtype, shape))
         return UpdatePlan(list(zip(gradients, gradient_entries)), assignment_entries, layout)
 
-    def apply_update(self, plan, arrays, count_push=True, update_id=""):
+    def apply_update(self, plan, arrays, count_push=True, update_id="", outcome=b""):
         """Applies a planned push's payload `arrays` (in layout order), at most once per id.
 
         Args:
@@ -262,9 +273,14 @@ class VariableStore:
                 nothing and returns the first one's result; of concurrent
                 pushes with one new id, one applies and the others then find
                 it applied. A push that fails does not use up its id.
+            outcome: bytes the pusher computed from the values its gradients
+                came from, kept with `update_id` (see `AppliedUpdateIds`)
+                and returned to a repeat.
 
         Returns:
-            `(versions, rejected, staleness)` as in `PushResult`.
+            An `AppliedPush`: `(versions, rejected, staleness)` as in
+            `PushResult`, whether the id was already applied, and then the
+            first push's outcome.
 
         Raises:
             kdist.errors.InvalidArgumentError: a row id out of range, or a
@@ -274,10 +290,10 @@ class VariableStore:
             FailedPreconditionError: see `AppliedUpdateIds.claim`.
         """
         if not update_id:
-            return self._apply_update(plan, arrays, count_push)
+            return AppliedPush(*self._apply_update(plan, arrays, count_push))
         applied, result = self.update_ids.claim(update_id)
         if applied:
-            return result
+            return AppliedPush(*result, deduplicated=True, outcome=self.update_ids.outcome_of(update_id))
         try:
             result = self._apply_update(plan, arrays, count_push)
         except BaseException:
@@ -285,8 +301,8 @@ class VariableStore:
             # one that raised applied nothing: its id stays free for a retry.
             self.update_ids.release(update_id)
             raise
-        self.update_ids.record(update_id, result)
-        return result
+        self.update_ids.record(update_id, result, outcome)
+        return AppliedPush(*result)
 
     def _apply_update(self, plan, arrays, count_push):
         arrays = iter(arrays)

@@ -13,6 +13,12 @@ MAX_REMEMBERED_UPDATES = 65_536
 # How long a push waits for another push with the same update id to finish
 # applying: an in-memory apply, milliseconds normally.
 UPDATE_ID_WAIT_SECONDS = 60.0
+# A push may carry an outcome (`PushHeader.outcome`: what its pusher computed
+# from the values its gradients came from, at most
+# `kdist.ps.wire.values.MAX_OUTCOME_BYTES`). A server keeps the most recent
+# outcomes up to this many bytes in all, forgetting the oldest first. A closure's metric state is bytes to kilobytes:
+# this holds the outcomes of far more recent pushes than a re-run needs.
+MAX_OUTCOME_BYTES_KEPT = 64 << 20
 
 
 class AppliedUpdateIds:
@@ -35,6 +41,8 @@ class AppliedUpdateIds:
         self._results = collections.OrderedDict()  # update id -> result, oldest first
         self._in_flight = set()
         self._num_deduplicated = 0
+        self._outcomes = collections.OrderedDict()  # update id -> outcome bytes, oldest first
+        self._outcome_bytes = 0
 
     def claim(self, update_id, timeout=UPDATE_ID_WAIT_SECONDS):
         """Returns `(True, result)` for an applied id, else `(False, None)`: the caller holds it.
@@ -55,14 +63,31 @@ class AppliedUpdateIds:
             self._in_flight.add(update_id)
             return False, None
 
-    def record(self, update_id, result):
-        """Remembers that the claimed `update_id` was applied with `result`."""
+    def record(self, update_id, result, outcome=b""):
+        """Remembers that the claimed `update_id` was applied with `result`, and its pusher's `outcome`."""
         with self._condition:
             self._in_flight.discard(update_id)
             self._results[update_id] = result
             while len(self._results) > self.capacity:
-                self._results.popitem(last=False)
+                forgotten, _ = self._results.popitem(last=False)
+                self._forget_outcome(forgotten)
+            if outcome:
+                self._outcomes[update_id] = bytes(outcome)
+                self._outcome_bytes += len(outcome)
+                while self._outcome_bytes > MAX_OUTCOME_BYTES_KEPT:
+                    _, oldest = self._outcomes.popitem(last=False)
+                    self._outcome_bytes -= len(oldest)
             self._condition.notify_all()
+
+    def outcome_of(self, update_id):
+        """The outcome recorded with an applied `update_id`; b"" if none was, or it was forgotten."""
+        with self._condition:
+            return self._outcomes.get(update_id, b"")
+
+    def _forget_outcome(self, update_id):
+        outcome = self._outcomes.pop(update_id, None)
+        if outcome is not None:
+            self._outcome_bytes -= len(outcome)
 
     def release(self, update_id):
         """Gives up the claimed `update_id` without remembering it (nothing was applied)."""

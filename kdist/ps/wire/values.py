@@ -24,6 +24,9 @@ def check_name(name, what="name"):
 # Update ids are short names ("closure-17/3"); the bound keeps a server's
 # memory of applied ids (kdist.ps.server.store.MAX_REMEMBERED_UPDATES of them) small.
 MAX_UPDATE_ID_LENGTH = 256
+# A push's outcome (`VariableClient.push`) is at most this many bytes: a
+# server keeps recent ones in memory (`kdist.ps.server.update_ids`).
+MAX_OUTCOME_BYTES = 1 << 20
 
 
 def check_update_id(update_id):
@@ -42,6 +45,23 @@ def check_update_id(update_id):
         f"An update_id must be None or a string of at most {MAX_UPDATE_ID_LENGTH} "
         f"characters. Received: update_id={received}. Use a short name, e.g. "
         "\"<closure id>/<push index>\"."
+    )
+
+
+def check_outcome(outcome):
+    """Raises InvalidArgumentError unless `outcome` is bytes of at most `MAX_OUTCOME_BYTES`.
+
+    Example:
+
+    >>> check_outcome(b"metric state")
+    """
+    if isinstance(outcome, (bytes, bytearray)) and len(outcome) <= MAX_OUTCOME_BYTES:
+        return
+    received = (f"{len(outcome)} bytes" if isinstance(outcome, (bytes, bytearray))
+                else f"{type(outcome).__name__}")
+    raise InvalidArgumentError(
+        f"A push's outcome must be bytes, at most {MAX_OUTCOME_BYTES} of them. Received: "
+        f"outcome={received}. Send a summary (a metric state), not values."
     )
 
 
@@ -205,11 +225,18 @@ class PushResult:
             (`ServiceOptions.max_staleness`), in request order.
         staleness: for each gradient that carried a version, the server's
             version before the push minus that version.
+        deduplicated: True when the push's `update_id` had already been
+            applied: this push applied nothing, and the fields above are the
+            first push's.
+        outcome: on a deduplicated push, the `outcome` the first push sent
+            (b"" if it sent none or the server no longer holds it); else b"".
     """
 
     versions: dict[str, int]
     rejected: tuple[str, ...]
     staleness: dict[str, int]
+    deduplicated: bool = False
+    outcome: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)

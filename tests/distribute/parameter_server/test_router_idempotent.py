@@ -79,9 +79,9 @@ def test_ids_per_block_nested_blocks_and_threads(remote, monkeypatch):
     for client in variable_router.clients:
         push = client.push
 
-        def recording(gradients, assignments=(), update_id=None, push=push, address=client.address):
+        def recording(gradients, assignments=(), update_id=None, push=push, address=client.address, **kwargs):
             sent.append((address, update_id))
-            return push(gradients, assignments, update_id=update_id)
+            return push(gradients, assignments, update_id=update_id, **kwargs)
 
         monkeypatch.setattr(client, "push", recording)
     gradients = [(route, np.ones(3, "float32")) for route in routes]
