@@ -55,6 +55,9 @@ def install():
     sync_batchnorm.install()
     # keras.callbacks.TensorBoard without TensorFlow (kdist.keras.tensorboard).
     tensorboard.install()
+    # A config serialized (an optimizer's, sent to parameter servers; a compile
+    # config, sent to workers) imports no TensorFlow (kdist.keras._compat.serialization).
+    _compat.serialize_without_importing_tensorflow()
     trainer = _compat.Trainer
     original_init = trainer.__init__
     original_compile = trainer.compile

@@ -9,7 +9,8 @@ message naming it instead of breaking training silently.
 This module holds the trainer, variable and data internals; the others, by job:
 `optimizers`, `callbacks` (`BackupAndRestore`), `layers` (`BatchNormalization`,
 float8), `losses` (loss reductions), `scopes` (`StatelessScope` entries
-converted once) and `variable_writes` (where every variable write passes). Everything is re-exported here, so
+converted once), `serialization` (no TensorFlow import when Keras serializes) and
+`variable_writes` (where every variable write passes). Everything is re-exported here, so
 callers write `_compat.<name>`.
 """
 
@@ -29,7 +30,9 @@ from kdist.keras._compat import layers as _layers
 from kdist.keras._compat import losses as _losses
 from kdist.keras._compat import optimizers as _optimizers
 from kdist.keras._compat import scopes as _scopes
+from kdist.keras._compat import serialization as _serialization
 from kdist.keras._compat import variable_writes as _variable_writes
+from kdist.keras._compat.serialization import serialize_without_importing_tensorflow  # noqa: F401
 from kdist.keras._compat.callbacks import (  # noqa: F401
     BackupPaths,
     backup_metadata,
@@ -113,7 +116,7 @@ _PINNED = {
 
 
 PINNED_INTERNALS = {**_PINNED, **_callbacks.PINNED, **_layers.PINNED, **_losses.PINNED, **_optimizers.PINNED,
-                     **_scopes.PINNED, **_variable_writes.PINNED}
+                     **_scopes.PINNED, **_serialization.PINNED, **_variable_writes.PINNED}
 
 
 def _probe_name_scope_stack():
