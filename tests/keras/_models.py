@@ -7,6 +7,7 @@ strategy's scope) create identical initial weights.
 import contextlib
 
 import keras
+from tests import seeding
 import numpy as np
 
 import kdist  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
@@ -17,7 +18,7 @@ GLOBAL_BATCH = 64  # 1000 = 15 * 64 + 40: the last batch is partial and splits u
 
 
 def seeded(seed=7):
-    keras.utils.set_random_seed(seed)
+    seeding.set_random_seed(seed)
 
 
 def compile_classifier(model):

@@ -14,6 +14,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 SAVE_FREQ = 4
@@ -76,7 +77,7 @@ def build_model(dropout):
 
 def train(strategy, input_kind="arrays", backup_dir=None, interrupt_at=None, seed=0, dropout=True, pause=0.0):
     """Trains for EPOCHS, evaluates and predicts; returns a dict of numpy results (raises `Interrupted`)."""
-    keras.utils.set_random_seed(seed)
+    seeding.set_random_seed(seed)
     x, y = make_data()
     with strategy.scope():
         model = build_model(dropout)

@@ -9,6 +9,7 @@ scope and compares with plain Keras on the same global batches.
 """
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -36,7 +37,7 @@ class _NullScope:
 
 
 def _train(strategy, batchnorm=None, initial_weights=None, started=None):
-    keras.utils.set_random_seed(3)
+    seeding.set_random_seed(3)
     x, y = fit_equivalence.make_data()
     with _scope(strategy):
         model = library_models.classifier(batchnorm=batchnorm)

@@ -8,6 +8,7 @@ per replica, the one documented difference (docs/mirrored.md). Before the fix ev
 """
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -67,7 +68,7 @@ BUILDERS = {"gpt2": gpt2_causal_lm, "gemma": gemma_causal_lm, "bert": bert_class
 
 
 def _train(builder, strategy):
-    keras.utils.set_random_seed(5)
+    seeding.set_random_seed(5)
     scope = strategy.scope() if strategy is not None else _NullScope()
     with scope:
         model, (x, y, sample_weight) = builder()

@@ -15,6 +15,7 @@ import warnings
 
 import kdist  # noqa: F401  (sets KERAS_BACKEND before keras is imported)
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 import torch
@@ -28,7 +29,7 @@ DEADLINE = 20.0  # evaluator timeout: a bug ends the test instead of hanging it
 
 
 def build_model(seed=3):
-    keras.utils.set_random_seed(seed)
+    seeding.set_random_seed(seed)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
     model.compile(
         optimizer="sgd",

@@ -235,8 +235,7 @@ class VariableRouter:
                 applies it once (see `kdist.ps.VariableClient.push`). None:
                 the next id of this thread's `idempotent_updates` block, or
                 no id outside one.
-            outcome: bytes kept by every server contacted with the id and
-                returned to a repeat (see `kdist.ps.VariableClient.push`).
+            outcome: bytes every server keeps with the id (`VariableClient.push`).
 
         Returns:
             A list of `kdist.ps.PushResult`, one per server contacted.
@@ -249,8 +248,7 @@ class VariableRouter:
             block = getattr(self._update_ids, "block", None)
             update_id = None if block is None else block.next_id()
         check_update_id(update_id)
-        requests = {}
-        assigned = {}  # ps index -> (route, position) of the local values this push assigns
+        requests, assigned = {}, {}  # assigned: ps index -> (route, position) of local values sent
         for route, gradient in dense:
             gradient = to_numpy(gradient)
             for position, shard in enumerate(route.placement.shards):
@@ -270,18 +268,11 @@ class VariableRouter:
                 assignment = Assignment(route.keys[position], route.placement.shard_part(position, value))
                 requests.setdefault(shard.ps_index, ([], []))[1].append(assignment)
                 assigned.setdefault(shard.ps_index, []).append((route, position))
-        results = self._per_server(
-            requests, lambda client, pair: client.push(pair[0], pair[1], update_id=update_id,
-                                                       outcome=outcome))
+        results = self._per_server(requests, lambda client, pair: client.push(*pair, update_id=update_id, outcome=outcome))
         for ps_index, result in results.items():
-            if result.deduplicated:
-                # Nothing was applied, so the server's values are not the local
-                # ones this step assigned (a re-run closure's BatchNorm
-                # statistics), and their versions did not move: forget them,
-                # so that the next pull reads them again. (Gradients left the
-                # local values as they were.)
-                for route, position in assigned.get(ps_index, ()):
-                    route.versions[position] = -1
+            # A repeat applied nothing: the next pull reads again what this step assigned locally.
+            for route, position in assigned.get(ps_index, ()) if result.deduplicated else ():
+                route.versions[position] = -1
         return list(results.values())
 
     @contextlib.contextmanager
@@ -296,9 +287,7 @@ class VariableRouter:
         applied again: the servers answer them with the first results and
         count them in `ServerStats.deduplicated_updates`.
 
-        Thread-local (other threads' pushes are unaffected). A nested block
-        uses its own prefix and count until it exits, then the outer block's
-        count continues.
+        Thread-local. A nested block uses its own prefix and count until it exits.
 
         Args:
             prefix: a non-empty string naming the closure (not the attempt),
@@ -314,10 +303,8 @@ class VariableRouter:
         ...     variable_router.send_gradients(gradients)  # update_id "closure-17/1"
         """
         if not isinstance(prefix, str) or not prefix:
-            raise InvalidArgumentError(
-                f"idempotent_updates() needs a non-empty string prefix naming the closure. "
-                f"Received: prefix={prefix!r}."
-            )
+            raise InvalidArgumentError("idempotent_updates() needs a non-empty string prefix naming "
+                                       f"the closure. Received: prefix={prefix!r}.")
         outer = getattr(self._update_ids, "block", None)
         self._update_ids.block = _UpdateIdBlock(prefix)
         try:

@@ -27,6 +27,23 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
+def send(router, model, dense, rows, assign):
+    """`router.send_gradients(dense, rows, assign)`; in a closure, with `model`'s metric state.
+
+    Inside an `idempotent_updates` block (a closure) the push carries the
+    model's metric state, and a push the servers had already applied (the
+    closure is a re-run) puts the first run's state back.
+    """
+    if model is None or not router.in_idempotent_block():
+        router.send_gradients(dense, rows, assign)
+        return
+    metrics = metric_variables(model)
+    results = router.send_gradients(dense, rows, assign, outcome=encode(metrics))
+    replayed = [result for result in results if result.deduplicated]
+    if replayed and metrics:
+        restore(metrics, replayed[0].outcome)
+
+
 def metric_variables(model):
     """The state variables of `model.metrics`, in order (loss trackers and compiled metrics)."""
     return [variable for metric in model.metrics for variable in metric.variables]

@@ -34,9 +34,8 @@ import torch
 from kdist import faults
 from kdist.errors import UnsupportedError
 from kdist.keras import _compat, adapters, atomic_save
-from kdist.keras.parameter_server import closure_outcome
+from kdist.keras.parameter_server import closure_outcome, remote_tables
 from kdist.keras.parameter_server import embeddings as ps_embeddings
-from kdist.keras.parameter_server import remote_tables
 from kdist.keras.parameter_server.optimizer_config import server_optimizer_config
 from kdist.ps.wire.conventions import slot_name
 
@@ -153,23 +152,10 @@ class PSSession:
         return dense, rows
 
     def send_updates(self, dense, rows, state_routes=()):
-        """Sends a step's update, plus those of `state_routes` (non-trainable) that the step changed.
-
-        Inside a closure (an `idempotent_updates` block) the push carries the
-        model's metric state, and a push the servers had already applied (the
-        closure is a re-run) puts the first run's state back (`closure_outcome`).
-        """
+        """Sends a step's update and the changed `state_routes` (non-trainable); see `closure_outcome.send`."""
         assign = [route for route in state_routes if not route.trainable and self.router.changed(route)]
-        if not (dense or rows or assign):
-            return
-        if self.model is None or not self.router.in_idempotent_block():
-            self.router.send_gradients(dense, rows, assign)
-            return
-        metrics = closure_outcome.metric_variables(self.model)
-        results = self.router.send_gradients(dense, rows, assign, outcome=closure_outcome.encode(metrics))
-        replayed = [result for result in results if result.deduplicated]
-        if replayed and metrics:
-            closure_outcome.restore(metrics, replayed[0].outcome)
+        if dense or rows or assign:
+            closure_outcome.send(self.router, self.model, dense, rows, assign)
 
     # ----- save -------------------------------------------------------------------
     def read_back(self):

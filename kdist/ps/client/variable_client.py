@@ -194,20 +194,15 @@ class VariableClient:
                 push whose outcome is unknown (its worker died, the connection
                 dropped) can be sent again safely. A push the server refused
                 (`INVALID_ARGUMENT`, ...) does not use up its id.
-            outcome: bytes (at most `kdist.ps.wire.values.MAX_OUTCOME_BYTES`)
-                that the caller computed from the values these gradients came
-                from, e.g. a closure's metric state. The server keeps them with
-                `update_id`, and a repeat of the id gets them back in
-                `PushResult.outcome`: a re-run closure, whose reads already see
-                this push applied, can report what its first run computed.
+            outcome: at most 1 MiB computed with these gradients (a closure's
+                metric state), kept with `update_id`: a repeat gets it back.
 
         Returns:
             A `PushResult`.
 
         Raises:
             kdist.errors.InvalidArgumentError: an `update_id` that is not a
-                string of at most 256 characters, or an `outcome` that is not
-                bytes of at most 1 MiB.
+                string of at most 256 characters, or a bad `outcome`.
             kdist.errors.ParameterServerError: `NOT_FOUND` (unknown variable),
                 `INVALID_ARGUMENT` (shape, dtype, row id, non-trainable target,
                 a variable twice), `FAILED_PRECONDITION` (no optimizer).

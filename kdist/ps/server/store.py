@@ -22,7 +22,6 @@ arrays through each variable's `VariableOptimizer`.
 import collections
 import dataclasses
 import threading
-import typing
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from kdist.errors import InvalidArgumentError
 from kdist.ps.server.optimizer_host import VariableOptimizer, config_differences
 from kdist.ps.wire.conventions import canonical_config
 from kdist.ps.server.row_updates import check_row_ids
-from kdist.ps.server.update_ids import AppliedUpdateIds, MAX_REMEMBERED_UPDATES
+from kdist.ps.server.update_ids import AppliedPush, AppliedUpdateIds, MAX_REMEMBERED_UPDATES
 from kdist.ps.server.variable_entry import VariableEntry, locked, make_variable
 from kdist.ps.wire.status import FailedPreconditionError, NotFoundError, name_list
 from kdist.ps.wire.values import ServerStats, StalenessStats, VariableStats
@@ -50,16 +49,6 @@ class GradientSpec:
     shape: tuple
     num_row_ids: int = 0
     version: int | None = None
-
-
-class AppliedPush(typing.NamedTuple):
-    """What `VariableStore.apply_update` did (the fields of `kdist.ps.PushResult`)."""
-
-    versions: dict
-    rejected: tuple
-    staleness: dict
-    deduplicated: bool = False
-    outcome: bytes = b""
 
 
 @dataclasses.dataclass
@@ -273,14 +262,10 @@ class VariableStore:
                 nothing and returns the first one's result; of concurrent
                 pushes with one new id, one applies and the others then find
                 it applied. A push that fails does not use up its id.
-            outcome: bytes the pusher computed from the values its gradients
-                came from, kept with `update_id` (see `AppliedUpdateIds`)
-                and returned to a repeat.
+            outcome: the pusher's bytes, kept with `update_id` for a repeat.
 
         Returns:
-            An `AppliedPush`: `(versions, rejected, staleness)` as in
-            `PushResult`, whether the id was already applied, and then the
-            first push's outcome.
+            An `AppliedPush` (the fields of `PushResult`).
 
         Raises:
             kdist.errors.InvalidArgumentError: a row id out of range, or a

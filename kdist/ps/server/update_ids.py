@@ -2,6 +2,7 @@
 
 import collections
 import threading
+import typing
 
 from kdist.ps.wire.status import FailedPreconditionError
 
@@ -19,6 +20,16 @@ UPDATE_ID_WAIT_SECONDS = 60.0
 # outcomes up to this many bytes in all, forgetting the oldest first. A closure's metric state is bytes to kilobytes:
 # this holds the outcomes of far more recent pushes than a re-run needs.
 MAX_OUTCOME_BYTES_KEPT = 64 << 20
+
+
+class AppliedPush(typing.NamedTuple):
+    """What `VariableStore.apply_update` did (the fields of `kdist.ps.PushResult`)."""
+
+    versions: dict
+    rejected: tuple
+    staleness: dict
+    deduplicated: bool = False
+    outcome: bytes = b""
 
 
 class AppliedUpdateIds:

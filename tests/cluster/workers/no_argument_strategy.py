@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -38,7 +39,7 @@ def main():
 
     print(f"SUM {float(strategy.run(step).reshape(-1)[0]):g}", flush=True)
 
-    keras.utils.set_random_seed(1)
+    seeding.set_random_seed(1)
     features = np.arange(32, dtype="float32").reshape(16, 2) / 32.0
     targets = features.sum(axis=1, keepdims=True)
     with strategy.scope():

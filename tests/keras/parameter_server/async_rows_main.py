@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -143,7 +144,7 @@ def main(argv):
         for number, model in enumerate(build_models(strategy, plan)):
             store.set(f"{plan}/{number}/{args.index}", "ready")
             store.wait([f"{plan}/{number}/{index}" for index in range(NUM_WORKERS)], BARRIER_TIMEOUT)
-            keras.utils.set_random_seed(100 + args.index)  # each worker shuffles its own way
+            seeding.set_random_seed(100 + args.index)  # each worker shuffles its own way
             start = time.monotonic()
             history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
             histories.append({"model": model.name, "loss": history.history["loss"],

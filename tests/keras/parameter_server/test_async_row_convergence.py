@@ -44,6 +44,7 @@ import json
 import sys
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -165,7 +166,7 @@ def test_coordinator_fit_two_workers_sparse_converges_like_dense(tmp_path):
         coordinator = kdist.coordinator.ClusterCoordinator(strategy)
         models = rows.build_models(strategy, "exact", steps_per_execution=STEPS_PER_CLOSURE)
         for model in models:
-            keras.utils.set_random_seed(100)
+            seeding.set_random_seed(100)
             model.fit(x, y, batch_size=rows.BATCH, epochs=rows.EPOCHS, verbose=0)
         stats = cluster.ps_stats()
         losses = _final_losses(strategy, models, "exact", stats)

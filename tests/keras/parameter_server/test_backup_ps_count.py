@@ -26,6 +26,7 @@ import shutil
 
 import h5py
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -79,7 +80,7 @@ def make_data():
 
 
 def build_model():
-    keras.utils.set_random_seed(3)
+    seeding.set_random_seed(3)
     model = keras.Sequential([
         keras.Input((IDS,), dtype="int64"),
         keras.layers.Embedding(ROWS, DIM),

@@ -15,6 +15,7 @@ chief then added those steps again as their closures returned).
 import re
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -32,7 +33,7 @@ def _data():
 
 
 def _model():
-    keras.utils.set_random_seed(1)
+    seeding.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=PACK)
     return model

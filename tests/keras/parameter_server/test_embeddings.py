@@ -15,6 +15,7 @@ table is refused, naming the variable and the rule.
 """
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _data(num_samples, seed=0):
 
 
 def _build():
-    keras.utils.set_random_seed(3)
+    seeding.set_random_seed(3)
     model = keras.Sequential(
         [
             keras.Input((IDS_PER_SAMPLE,), dtype="int64"),
@@ -104,7 +105,7 @@ BIG_TABLE_BYTES = BIG_ROWS * BIG_DIM * 4
 
 
 def _build_big():
-    keras.utils.set_random_seed(5)
+    seeding.set_random_seed(5)
     return keras.Sequential(
         [
             keras.Input((IDS_PER_SAMPLE,), dtype="int64"),

@@ -13,6 +13,7 @@ import json
 import sys
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 import torch
@@ -33,7 +34,7 @@ ROWS, DIM, IDS, BATCH, STEPS = 50_000, 8, 4, 32, 6
 
 
 def build(optimizer="adagrad", initializer="uniform"):
-    keras.utils.set_random_seed(11)
+    seeding.set_random_seed(11)
     ids = keras.Input((IDS,), dtype="int64")
     merged = keras.layers.Add()([keras.layers.Embedding(ROWS, DIM, embeddings_initializer=initializer, name="emb")(ids),
                                  TakeTable(ROWS, DIM, name="take")(ids)])

@@ -18,6 +18,7 @@ as held by the servers), the Dense(2)-set-to-7 check fails.
 import contextlib
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -88,14 +89,14 @@ def test_control_with_the_write_path_switched_off_the_sevens_are_lost(monkeypatc
 
 def test_set_weights_from_plain_keras_then_fit_equals_plain_keras():
     x, y = _data(64)
-    keras.utils.set_random_seed(3)
+    seeding.set_random_seed(3)
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     plain.compile(keras.optimizers.Adam(0.05), "mse")
     initial = plain.get_weights()
     with _ps.in_process_servers(2) as cluster:
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
-        keras.utils.set_random_seed(4)  # other initial values than plain's
+        seeding.set_random_seed(4)  # other initial values than plain's
         with strategy.scope():
             model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
                                       keras.layers.BatchNormalization(), keras.layers.Dense(2)])
@@ -192,7 +193,7 @@ def test_optimizer_state_written_then_trained_equals_plain_keras():
     with _ps.in_process_servers(1) as cluster:
         strategy = kdist.ParameterServerStrategy(cluster.resolver())
         model = _trained_adam(strategy, x, y)
-        keras.utils.set_random_seed(1)
+        seeding.set_random_seed(1)
         plain = _dense_model()
         plain.compile(keras.optimizers.Adam(0.1), "mse")
         plain.optimizer.build(plain.trainable_variables)

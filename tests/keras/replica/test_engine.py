@@ -7,6 +7,7 @@ mean goes wrong.
 
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ def train_pair(builder, num_replicas, x, y, sample_weight=None, validation=None)
     distributed = m.build_in_scope(builder, m.mirrored(num_replicas))
     histories = []
     for model in (reference, distributed):
-        keras.utils.set_random_seed(11)  # same shuffle order for both
+        seeding.set_random_seed(11)  # same shuffle order for both
         history = model.fit(
             x, y, sample_weight=sample_weight, validation_data=validation, shuffle=True, **FIT
         )
@@ -264,7 +265,7 @@ def test_steps_per_execution_above_one_matches_plain_keras(num_replicas):
     distributed = m.build_in_scope(build, m.mirrored(num_replicas))
     histories = []
     for model in (reference, distributed):
-        keras.utils.set_random_seed(11)
+        seeding.set_random_seed(11)
         histories.append(model.fit(x, y, shuffle=True, **FIT).history)
     m.assert_same_state(reference, distributed)
     m.assert_same_history(histories[0], histories[1])

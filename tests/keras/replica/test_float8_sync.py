@@ -10,6 +10,7 @@ float8 layer's bias gradient to bfloat16, per replica on its partial sum
 """
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -46,7 +47,7 @@ def train_pair(num_replicas):
     distributed = m.build_in_scope(float8_mlp_without_bias, m.mirrored(num_replicas))
     histories = []
     for model in (reference, distributed):
-        keras.utils.set_random_seed(11)  # same shuffle order for both
+        seeding.set_random_seed(11)  # same shuffle order for both
         histories.append(model.fit(x, y, shuffle=True, **FIT).history)
     return reference, distributed, histories
 
@@ -137,7 +138,7 @@ def _largest_difference(num_replicas, **faults):
     with m.fault(**faults):
         distributed = m.build_in_scope(float8_mlp_with_bias, m.mirrored(num_replicas))
         for model in (reference, distributed):
-            keras.utils.set_random_seed(11)
+            seeding.set_random_seed(11)
             model.fit(x, y, shuffle=True, **FIT)
     return max(float(np.max(np.abs(dist - ref) / np.maximum(1.0, np.abs(ref))))
                for (_, ref), (_, dist) in zip(_named_values(reference), _named_values(distributed)))

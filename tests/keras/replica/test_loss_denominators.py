@@ -9,6 +9,7 @@ over 3 replicas). Each case has a negative control that restores the wrong rule.
 
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 import torch
@@ -27,7 +28,7 @@ def train_pair(builder, num_replicas, x, y, sample_weight=None):
     distributed = m.build_in_scope(builder, m.mirrored(num_replicas))
     histories = []
     for model in (reference, distributed):
-        keras.utils.set_random_seed(11)  # same shuffle order for both
+        seeding.set_random_seed(11)  # same shuffle order for both
         history = model.fit(x, y, sample_weight=sample_weight, shuffle=True, **FIT)
         histories.append(history.history)
     return reference, distributed, histories

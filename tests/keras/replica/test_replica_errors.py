@@ -7,6 +7,7 @@ replicas given a global batch of 2 run one sample each and meet it there.
 """
 
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ MESSAGE = "grad_weight must be contiguous"
 
 
 def one_channel_conv(seed=3):
-    keras.utils.set_random_seed(seed)
+    seeding.set_random_seed(seed)
     model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(1, 3, padding="same")])
     model.compile(optimizer="sgd", loss="mse")
     return model

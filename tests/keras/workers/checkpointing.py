@@ -17,6 +17,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tests.keras.workers import fit_equivalence  # noqa: E402
@@ -43,7 +44,7 @@ def save_and_load_own_paths(strategy, directory, rank):
     """The tutorial's `write_filepath`: a non-chief rank writes under `workertemp_<rank>` and removes it after."""
     import shutil
 
-    keras.utils.set_random_seed(fit_equivalence.SEED)
+    seeding.set_random_seed(fit_equivalence.SEED)
     x, y = fit_equivalence.make_data()
     with strategy.scope():
         model = fit_equivalence.build_model()

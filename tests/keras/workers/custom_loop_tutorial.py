@@ -27,6 +27,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import kdist  # noqa: E402
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -84,7 +85,7 @@ def train(strategy, epochs=EPOCHS, dtype="float32"):
 
 
 def _train(strategy, epochs, dtype):
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     images, labels = make_data()
     images = images.astype(dtype)
     train_dataset = [

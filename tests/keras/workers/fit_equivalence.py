@@ -16,6 +16,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 SEED = 7
@@ -85,7 +86,7 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, initial_seed=SEED, input_k
     (its `RandomSampler` draws its seed from torch's global generator) instead
     of shuffled arrays.
     """
-    keras.utils.set_random_seed(initial_seed)
+    seeding.set_random_seed(initial_seed)
     x, y = make_data()
     if strategy is None:
         model = build_model(model_kind)

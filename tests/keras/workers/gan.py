@@ -13,6 +13,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import kdist  # noqa: E402
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -75,7 +76,7 @@ class GAN(keras.Model):
 
 
 def build_gan():
-    keras.utils.set_random_seed(5)
+    seeding.set_random_seed(5)
     discriminator = keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
     )

@@ -18,6 +18,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -92,7 +93,7 @@ class RankDependent(keras.Sequential):
 
 
 def build_model(kind, accumulation=None):
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     if kind == "masked":
         model = keras.Sequential(
             [
@@ -135,7 +136,7 @@ def train(kind="mlp", strategy=None, accumulation=None, initial_seed=SEED, callb
     else:
         with strategy.scope():
             model = build_model(kind, accumulation)
-    keras.utils.set_random_seed(initial_seed)
+    seeding.set_random_seed(initial_seed)
     history = model.fit(
         x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=list(callbacks)
     )

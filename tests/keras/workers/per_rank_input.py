@@ -42,6 +42,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 SEED = 3
@@ -66,7 +67,7 @@ def make_data():
 
 
 def build_model():
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
     return model

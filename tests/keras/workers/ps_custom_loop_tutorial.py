@@ -27,6 +27,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import kdist  # noqa: E402
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -67,7 +68,7 @@ def feature_and_label_gen(num_examples=200):
 def train(strategy, coordinator=None):
     """The tutorial's custom loop; returns `{"weights": [...], "accuracies": [...], "iterations": n}`."""
     random.seed(SEED)
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     with strategy.scope():
         feature_lookup_layer = DictLookup(vocabulary=feature_vocab, mask_token=None)
         label_lookup_layer = DictLookup(vocabulary=label_vocab, num_oov_indices=0, mask_token=None)

@@ -14,6 +14,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -29,7 +30,7 @@ EPOCHS = 2
 
 # ----- models ---------------------------------------------------------------------
 def dense_model(synchronized):
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     return keras.Sequential(
         [
             keras.Input((6,)),
@@ -44,7 +45,7 @@ def dense_model(synchronized):
 
 
 def conv_model(synchronized):
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     return keras.Sequential(
         [
             keras.Input((6, 6, 2)),
@@ -59,7 +60,7 @@ def conv_model(synchronized):
 
 def masked_model(synchronized):
     """Embedding(mask_zero=True) feeds BatchNormalization a mask (padding must not count)."""
-    keras.utils.set_random_seed(SEED)
+    seeding.set_random_seed(SEED)
     return keras.Sequential(
         [
             keras.Input((5,), dtype="int32"),
@@ -152,7 +153,7 @@ def fit(kind, strategy=None, num_samples=NUM_SAMPLES):
     """fit (with validation), evaluate and predict; returns every compared value as numpy arrays."""
     x, y = make_data(kind, num_samples)
     model = compile_model(build(kind, strategy))
-    keras.utils.set_random_seed(11)  # the same shuffle order with and without a strategy
+    seeding.set_random_seed(11)  # the same shuffle order with and without a strategy
     history = model.fit(
         x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
         validation_data=(x[:50], y[:50]),

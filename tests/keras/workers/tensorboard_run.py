@@ -29,6 +29,7 @@ import os  # noqa: E402
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 # Bound before kdist loads, as a user's `from keras.callbacks import TensorBoard` may be.
@@ -65,7 +66,7 @@ def main():
 
     import kdist
 
-    keras.utils.set_random_seed(0)
+    seeding.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.random((40, 4), dtype=np.float32)
     y = (rng.random(40) > 0.5).astype("int32")

@@ -13,6 +13,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tests.keras.workers.fit_equivalence import build_model, make_data  # noqa: E402
@@ -49,7 +50,7 @@ def main():
     strategy = kdist.MultiWorkerMirroredStrategy(communication_options=kdist.CommunicationOptions(timeout_seconds=30))
     rank = strategy.extended.collectives.rank
     x, y = make_data()
-    keras.utils.set_random_seed(1)
+    seeding.set_random_seed(1)
     with strategy.scope():
         model = build_model()
 

@@ -17,6 +17,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -42,7 +43,7 @@ def main():
     # The arrays below are this rank's shard already (Keras' documented switch).
     distribution.auto_shard_dataset = False
     keras.distribution.set_distribution(distribution)
-    keras.utils.set_random_seed(7)
+    seeding.set_random_seed(7)
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 6)).astype("float32")

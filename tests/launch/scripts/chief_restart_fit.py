@@ -28,6 +28,7 @@ from pathlib import Path  # noqa: E402
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 EPOCHS, STEPS, BATCH, SAVE_FREQ, PACK = 3, 8, 16, 4, 2
@@ -63,7 +64,7 @@ class _KillOnce(keras.callbacks.Callback):
 
 
 def train(args, resolver):
-    keras.utils.set_random_seed(7)
+    seeding.set_random_seed(7)
     strategy = kdist.ParameterServerStrategy(resolver)
     # One closure at a time: two sent together may run in either order.
     kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)

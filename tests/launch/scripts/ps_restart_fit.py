@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
 import keras  # noqa: E402
+from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 STEP_SECONDS = 0.1  # each step lasts a little, so a kill lands mid-fit
@@ -55,7 +56,7 @@ def _server_state(strategy):
 
 
 def train(out_dir, resolver):
-    keras.utils.set_random_seed(7)
+    seeding.set_random_seed(7)
     strategy = kdist.ParameterServerStrategy(resolver)
     kdist.coordinator.ClusterCoordinator(strategy, closures_in_flight_per_worker=1)
     rng = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 
 import grpc
 import keras
+from tests import seeding
 import numpy as np
 import pytest
 
@@ -371,7 +372,7 @@ def _train_on_servers(sparse_updates):
             {"worker": [f"127.0.0.1:{port}"], "ps": [server.address]}, task_type="worker", task_id=0)
         strategy = kdist.ParameterServerStrategy(resolver, sparse_updates=sparse_updates)
         with strategy.scope():
-            keras.utils.set_random_seed(1)
+            seeding.set_random_seed(1)
             model = keras.Sequential([keras.Input((3,), dtype="int64"), keras.layers.Embedding(500, 4),
                                       keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
             model.compile(keras.optimizers.Adam(0.01), "mse")
