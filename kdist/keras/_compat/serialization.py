@@ -45,14 +45,10 @@ class _ImportedTensorFlow:
         return f"{self._lazy_module!r} (available once imported)"
 
 
-def imported_only(lazy_module):
-    """A view of Keras' lazy `tensorflow` module whose `available` is "installed and imported"."""
-    return lazy_module if isinstance(lazy_module, _ImportedTensorFlow) else _ImportedTensorFlow(lazy_module)
-
-
 def serialize_without_importing_tensorflow():
     """Makes Keras' serialization stop importing TensorFlow (see module doc). Idempotent."""
-    _serialization_lib.tf = imported_only(_serialization_lib.tf)
+    if not isinstance(_serialization_lib.tf, _ImportedTensorFlow):
+        _serialization_lib.tf = _ImportedTensorFlow(_serialization_lib.tf)
 
 
 def serialization_imports_tensorflow():

@@ -16,7 +16,6 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import kdist  # noqa: E402  (before keras: kdist checks the backend)
 import keras  # noqa: E402
-from tests import seeding  # noqa: E402
 import numpy as np  # noqa: E402
 
 BATCH = 4
@@ -54,7 +53,7 @@ def main():
     out, stop_at = sys.argv[1], int(sys.argv[2])
     strategy = kdist.MultiWorkerMirroredStrategy()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    seeding.set_random_seed(1)
+    keras.utils.set_random_seed(1)
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
