@@ -62,6 +62,7 @@ from kdist.keras._compat.optimizers import (  # noqa: F401
     learning_rate_variable,
     optimizer_step_count,
     optimizer_trainable_variables,
+    uses_weight_decay,
 )
 
 Trainer = _trainer_module.Trainer

@@ -9,6 +9,7 @@ PINNED = {
     "BaseOptimizer._learning_rate": lambda: keras.optimizers.SGD()._learning_rate,
     "BaseOptimizer._accumulated_gradients": lambda: _probe_accumulating_optimizer()._accumulated_gradients,
     "BaseOptimizer._get_variable_index": lambda: _probe_accumulating_optimizer()._get_variable_index,
+    "BaseOptimizer._use_weight_decay": lambda: keras.optimizers.AdamW()._use_weight_decay,
 }
 
 
@@ -47,3 +48,8 @@ def _probe_accumulating_optimizer():
 def clip_gradients(optimizer, gradients):
     """The optimizer's own `clipnorm`/`clipvalue`/`global_clipnorm` applied to `gradients`."""
     return optimizer._clip_gradients(gradients)
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether the optimizer decays `variable` (not excluded by `exclude_from_weight_decay`)."""
+    return optimizer._use_weight_decay(variable)
