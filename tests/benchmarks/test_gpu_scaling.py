@@ -65,7 +65,8 @@ def _check_model_lines(lines, device):
 
 def test_cpu_smoke_run_measures_every_configuration_on_gloo():
     # Tiny models, 2 logical GPUs, 2 processes under `kdist launch`: about 20 s on 2 idle cores.
-    result, lines = _run("--device", "cpu", "--quick", timeout=180)
+    # One timed step per configuration is enough to show each one runs and is measured.
+    result, lines = _run("--device", "cpu", "--quick", "--rounds", "1", "--steps", "1", "--warmup", "1", timeout=180)
     _check_model_lines(lines, "cpu")
     assert all(line["num_gpus"] == 2 and line["environment"]["device"] == "cpu" for line in lines)
 
