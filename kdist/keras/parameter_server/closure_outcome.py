@@ -24,7 +24,16 @@ import logging
 
 import numpy as np
 
+from kdist.ps.wire.values import MAX_OUTCOME_BYTES
+
 logger = logging.getLogger(__name__)
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def send(router, model, dense, rows, assign):
@@ -38,7 +47,14 @@ def send(router, model, dense, rows, assign):
         router.send_gradients(dense, rows, assign)
         return
     metrics = metric_variables(model)
-    results = router.send_gradients(dense, rows, assign, outcome=encode(metrics))
+    outcome = encode(metrics)
+    if len(outcome) > MAX_OUTCOME_BYTES:
+        # Too large to keep: the push goes without it (a re-run would then say so, in `restore`).
+        _warn_once(f"The metric state of {model.name!r} is {len(outcome)} bytes, more than a push "
+                   f"carries ({MAX_OUTCOME_BYTES}): a closure re-run after its worker died reports "
+                   "metrics computed from the weights its first run updated.")
+        outcome = b""
+    results = router.send_gradients(dense, rows, assign, outcome=outcome)
     replayed = [result for result in results if result.deduplicated]
     if replayed and metrics:
         restore(metrics, replayed[0].outcome)

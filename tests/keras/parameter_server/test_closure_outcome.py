@@ -143,3 +143,14 @@ def test_outcomes_survive_a_checkpoint_of_the_ids():
     old = RememberedUpdateIds(8)
     old.load([["c/0", {"w": 1}, [], {}]])
     assert old.claim("c/0") == (True, ({"w": 1}, (), {})) and old.outcome_of("c/0") == b""
+
+
+def test_a_metric_state_too_large_to_carry_is_sent_without_it(uninterrupted, monkeypatch, caplog):
+    monkeypatch.setattr(closure_outcome, "MAX_OUTCOME_BYTES", 4)
+    monkeypatch.setattr(closure_outcome, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=closure_outcome.__name__):
+        states, weights, _ = _closure(2)
+    assert "more than a push carries (4)" in caplog.text
+    assert "not that run's metric state (0 bytes kept" in caplog.text  # the re-run says what it lost
+    for got, expected in zip(weights, uninterrupted[1]):  # training itself goes on, exact
+        np.testing.assert_array_equal(got, expected)
