@@ -180,8 +180,6 @@ class OptimizerShard:
                 slices.append(slice_)
             if slices:
                 self.inner.apply(slice_gradients, slices)
-            else:
-                _compat.iterations_variable(self.inner).assign_add(1)
         _compat.iterations_variable(optimizer).assign_add(1)
         return [slice_.value for slice_ in self.slices]
 
