@@ -152,7 +152,10 @@ def test_closing_the_pool_ends_its_zygote_and_children_still_running():
     assert harness.wait_until_gone([process.pid], timeout=10) == []
 
 
-_WHO = "import os\nprint('parent', os.getppid(), 'launcher', os.environ['LAUNCHER_PID'])\n"
+# One write per line: the launcher runs its children unbuffered (PYTHONUNBUFFERED=1),
+# where print(a, b, ...) writes each piece on its own, and a piece that arrives
+# while another rank's line is open continues on a row of its own.
+_WHO = "import os\nprint(f\"parent {os.getppid()} launcher {os.environ['LAUNCHER_PID']}\")\n"
 _LAUNCHER = (
     "import os, sys\n"
     "os.environ['LAUNCHER_PID'] = str(os.getpid())\n"
