@@ -62,6 +62,11 @@ class FaultInjection:
         coordinator_not_chief: the coordinator is not treated as the chief,
             so `model.save`, `ModelCheckpoint` and `BackupAndRestore` there
             write nothing (the bug TensorFlow's tutorial hit before).
+        optimizer_slice_applied_twice: with sharded optimizer state, rank 0
+            applies the optimizer to its slice twice per step.
+        optimizer_slice_missed: with sharded optimizer state, the all-gather
+            leaves out the last rank's updated slice (the others keep their
+            old values of its elements).
         sliced_per_rank_input: in a multi-worker job, slice input that is
             already split per rank (a `DistributedSampler`, `per_rank`,
             `distribute_datasets_from_function`) as if every rank read the
@@ -112,6 +117,8 @@ class FaultInjection:
     unskipped_resume_steps: bool = False
     resume_without_iterations: bool = False
     unfenced_chief_restart: bool = False
+    optimizer_slice_applied_twice: bool = False
+    optimizer_slice_missed: bool = False
 
 
 ACTIVE = FaultInjection()

@@ -21,6 +21,7 @@ from kdist.distribute.mirrored import MirroredExtended
 from kdist.distribute.extended import HOST_DEVICE, ChiefRoles
 from kdist.distribute.strategy import Strategy
 from kdist.distribute.values import DistributedValues, Mirrored
+from kdist.errors import InvalidArgumentError
 from kdist.types import ReduceOp
 
 # Warned when the environment names no cluster: a script meant for several
@@ -42,9 +43,17 @@ class MultiWorkerExtended(ChiefRoles, MirroredExtended):
     Attributes:
         cluster_resolver: the resolver the job's layout came from.
         collectives: the `kdist.collectives.process.ProcessCollectives` of the job.
+        shard_optimizer_state: whether each process keeps the optimizer state of
+            its share of the model only (`kdist.keras.replica.sharded_optimizer`).
     """
 
-    def __init__(self, container_strategy, cluster_resolver, communication_options, devices):
+    def __init__(self, container_strategy, cluster_resolver, communication_options, devices,
+                 shard_optimizer_state=False):
+        if not isinstance(shard_optimizer_state, bool):
+            raise InvalidArgumentError(
+                "shard_optimizer_state must be True or False. Received: "
+                f"shard_optimizer_state={shard_optimizer_state!r} (of type {type(shard_optimizer_state).__name__}).")
+        self.shard_optimizer_state = shard_optimizer_state
         communication_options = CommunicationOptions.from_argument(communication_options)
         resolver = resolve_cluster(cluster_resolver)
         if cluster_resolver is None and is_local_cluster(resolver):
@@ -138,6 +147,13 @@ class MultiWorkerMirroredStrategy(Strategy):
             several processes share a host with GPUs, every visible GPU when the
             process is alone on its host, else the CPU. A list such as
             `["cpu:0", "cpu:1"]` gives each process several replicas.
+        shard_optimizer_state: each process keeps the optimizer's state (Adam's
+            moments, accumulators, ...) of its 1/N share of the model's elements
+            only, updates that share and all-gathers the rest (ZeRO-1). The
+            weights are bitwise those of `False`; checkpoints hold the whole
+            state and load anywhere. For element-wise optimizers (SGD, Adam,
+            AdamW, Adamax, Adagrad, Adadelta, RMSprop, Nadam, Lion); others
+            are refused at compile. See docs/multi_worker.md, "Sharded optimizer state".
 
     Raises:
         kdist.errors.InvalidArgumentError: the cluster or an argument is malformed.
@@ -159,9 +175,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     # `kdist.MultiWorkerMirroredStrategy` exists on these backends; this class is the torch one.
     SUPPORTED_BACKENDS = STRATEGY_BACKENDS["MultiWorkerMirroredStrategy"]
 
-    def __init__(self, cluster_resolver=None, communication_options=None, devices=None):
+    def __init__(self, cluster_resolver=None, communication_options=None, devices=None,
+                 shard_optimizer_state=False):
         require_backend("kdist.distribute.MultiWorkerMirroredStrategy (kdist's torch engine)", ("torch",))
-        super().__init__(MultiWorkerExtended(self, cluster_resolver, communication_options, devices))
+        super().__init__(MultiWorkerExtended(
+            self, cluster_resolver, communication_options, devices, shard_optimizer_state))
 
     @property
     def cluster_resolver(self):
@@ -172,7 +190,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         collectives = self._extended.collectives
         return (
             f"MultiWorkerMirroredStrategy(rank={collectives.rank}, world_size="
-            f"{collectives.world_size}, devices={list(self._extended.worker_devices)})"
+            f"{collectives.world_size}, devices={list(self._extended.worker_devices)}"
+            + (", shard_optimizer_state=True)" if self._extended.shard_optimizer_state else ")")
         )
 
 

@@ -63,6 +63,9 @@ class KerasAdapter:
     def attach(self, model):
         """Installs the strategy's overrides on `model` (called at every attach; must be idempotent)."""
 
+    def check_compile(self, compile_method, model, args, kwargs):
+        """Raises, before Keras' `compile(*args, **kwargs)` runs, for what the strategy cannot train."""
+
     def route_call(self, method, model, name, args, kwargs):
         """Runs `model.<name>(*args, **kwargs)` inside the strategy's scope; `method` is the class's function."""
         return method(model, *args, **kwargs)
@@ -110,6 +113,11 @@ def _unrouted():
         yield
     finally:
         _thread.unrouted = previous
+
+
+def unrouted():
+    """While active (in this thread), `apply` of any optimizer is Keras' own (e.g. a slice optimizer's)."""
+    return _unrouted()
 
 
 def _intercepted(optimizer, original, grads, trainable_variables=None):

@@ -73,6 +73,8 @@ def install():
         strategy = _owning_strategy(self)
         if strategy is None:
             return original_compile(self, *args, **kwargs)
+        # A strategy refuses what it cannot train before Keras changes the model.
+        adapters.adapter_for(strategy).check_compile(original_compile, self, args, kwargs)
         with strategy.scope():
             result = original_compile(self, *args, **kwargs)
         attach(self, strategy)

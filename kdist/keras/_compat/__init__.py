@@ -60,6 +60,7 @@ from kdist.keras._compat.optimizers import (  # noqa: F401
     gradient_accumulators,
     iterations_variable,
     learning_rate_variable,
+    mark_optimizer_built,
     optimizer_step_count,
     optimizer_trainable_variables,
     uses_weight_decay,

@@ -1,6 +1,7 @@
 """Keras optimizer internals: the variables `apply` defaults to, step counts, accumulators, clipping."""
 
 import keras
+from keras.src.utils import tracking as _tracking
 
 PINNED = {
     "BaseOptimizer._clip_gradients": lambda: keras.optimizers.SGD()._clip_gradients,
@@ -10,6 +11,8 @@ PINNED = {
     "BaseOptimizer._accumulated_gradients": lambda: _probe_accumulating_optimizer()._accumulated_gradients,
     "BaseOptimizer._get_variable_index": lambda: _probe_accumulating_optimizer()._get_variable_index,
     "BaseOptimizer._use_weight_decay": lambda: keras.optimizers.AdamW()._use_weight_decay,
+    "BaseOptimizer._trainable_variables_indices": lambda: keras.optimizers.SGD()._trainable_variables_indices,
+    "BaseOptimizer._var_key": lambda: keras.optimizers.SGD()._var_key,
 }
 
 
@@ -53,3 +56,18 @@ def clip_gradients(optimizer, gradients):
 def uses_weight_decay(optimizer, variable):
     """Whether the optimizer decays `variable` (not excluded by `exclude_from_weight_decay`)."""
     return optimizer._use_weight_decay(variable)
+
+
+def mark_optimizer_built(optimizer, variables):
+    """What `BaseOptimizer.build` records of `variables`, without creating any slot.
+
+    For an optimizer whose slots live elsewhere (a rank's share of them, see
+    `kdist.keras.replica.sharded_optimizer`): Keras' `apply` bookkeeping (the
+    known variables, their indices) is in place and `built` is True.
+    """
+    # As Keras' own `build`: the model's variables are not tracked as the optimizer's.
+    with _tracking.DotNotTrackScope():
+        for index, variable in enumerate(variables):
+            optimizer._trainable_variables_indices[optimizer._var_key(variable)] = index
+        optimizer._trainable_variables = list(variables)
+        optimizer.built = True

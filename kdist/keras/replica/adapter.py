@@ -8,13 +8,17 @@
   `predict` agree on their inputs and callbacks (`kdist.keras.replica.multi_worker`),
   `save`/`save_weights` are collectives the chief writes, and metrics are not
   reduced a second time by Keras.
+- With `shard_optimizer_state`, `apply_gradients` updates this rank's share
+  of the optimizer state (`kdist.keras.replica.sharded_optimizer`).
 - A step whose split would hand a torch `BatchNorm` (inside a
   `TorchModuleWrapper`) one sample on some replica is refused before it runs
   (`BatchNormShardGuard`): torch cannot take batch statistics of one value.
 """
 
+import inspect
 import warnings
 
+import keras
 import torch
 
 from kdist import faults
@@ -23,7 +27,7 @@ from kdist.distribute.strategy import Strategy
 from kdist.errors import InvalidArgumentError
 from kdist.keras import _compat, adapters
 from kdist.keras._compat.layers import torch_batchnorm_modules
-from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker, per_rank_input
+from kdist.keras.replica import gradient_accumulation, gradient_merge, multi_worker, per_rank_input, sharded_optimizer
 from kdist.keras.replica.engine import ReplicaEngine, check_steps_per_execution
 
 
@@ -33,6 +37,8 @@ class ReplicaAdapter(adapters.KerasAdapter):
     def attach(self, model):
         strategy = self.strategy
         adapters.attach_optimizer(getattr(model, "optimizer", None), strategy)
+        if getattr(strategy.extended, "shard_optimizer_state", False):
+            sharded_optimizer.install(getattr(model, "optimizer", None), strategy)
         if strategy.extended.collectives is not None and not faults.ACTIVE.upstream_metrics_result:
             # Metrics are already combined across processes by kdist (see _compat).
             adapters.override(model, "get_metrics_result", lambda self: _compat.local_metrics_result(self))
@@ -48,6 +54,18 @@ class ReplicaAdapter(adapters.KerasAdapter):
         if gradient_merge.route(optimizer, gradients, variables):
             return None
         return self.apply_gradients(optimizer, gradients, variables)
+
+    def check_compile(self, compile_method, model, args, kwargs):
+        if getattr(self.strategy.extended, "shard_optimizer_state", False):
+            arguments = inspect.signature(compile_method).bind(model, *args, **kwargs).arguments
+            optimizer = arguments.get("optimizer", inspect.signature(compile_method).parameters["optimizer"].default)
+            sharded_optimizer.check(keras.optimizers.get(optimizer))
+
+    def apply_gradients(self, optimizer, gradients, variables):
+        state = sharded_optimizer.state_of(optimizer)
+        if state is not None:  # each rank updates its share, then they all-gather
+            return state.apply(gradients, variables)
+        return super().apply_gradients(optimizer, gradients, variables)
 
     def route_call(self, method, model, name, args, kwargs):
         strategy = self.strategy

@@ -25,6 +25,8 @@ Steps where deferral does not apply reduce every step as before (correct,
 just more bytes): a `LossScaleOptimizer` (it must see the combined gradient to
 decide whether the step is finite), float8 layers, several `apply` calls per
 step, an optimizer other than the model's, and the negative-control faults.
+With sharded optimizer state (`shard_optimizer_state`) each rank's
+accumulators are slices: a flush adds each rank's slice of the sums.
 
 Not thread-safe: used by the training thread of one replica engine.
 """
@@ -33,7 +35,7 @@ import keras
 import torch
 
 from kdist.keras import _compat
-from kdist.keras.replica import gradient_combine
+from kdist.keras.replica import gradient_combine, sharded_optimizer
 from kdist.keras.replica.gradient_overlap import may_overlap_or_defer
 
 MICRO_STEP = "micro-step"
@@ -105,6 +107,11 @@ class DeferredAccumulation:
             return
         optimizer, variables, sums, _ = self._pending
         summed = self._processes.sum_tensors(sums, name="accumulated_gradients")
+        sharded = sharded_optimizer.state_of(optimizer)
+        if sharded is not None:
+            sharded.add_to_accumulators(variables, summed)
+            self._clear()
+            return
         with torch.no_grad():
             for accumulator, total in zip(_compat.gradient_accumulators(optimizer, variables), summed):
                 accumulator.assign(accumulator.value + total.to(accumulator.value.device))

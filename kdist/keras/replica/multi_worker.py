@@ -36,7 +36,7 @@ import torch
 from kdist import atomic_files
 from kdist.errors import InvalidArgumentError, KdistError
 from kdist.keras import _compat, atomic_save, chief_only
-from kdist.keras.replica import gradient_accumulation, per_rank_input
+from kdist.keras.replica import gradient_accumulation, per_rank_input, sharded_optimizer
 
 _active = threading.local()
 
@@ -244,7 +244,8 @@ def collective_save(strategy, save, model, filepath, args, kwargs):
     write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
     target = _save_target(filepath)
     chief_target = strategy.extended.collectives.broadcast_object(target, name="save path")
-    run_on_chief(strategy, write, f"save({target[1]})", also_here=target != chief_target)
+    with sharded_optimizer.gathered_for_saving(model):
+        run_on_chief(strategy, write, f"save({target[1]})", also_here=target != chief_target)
 
 
 def _save_target(filepath):
@@ -273,7 +274,8 @@ def _make_backup_collective(callback, strategy):
 
     def _save_model():
         gradient_accumulation.flush(callback.model)
-        run_on_chief(strategy, write, "BackupAndRestore")
+        with sharded_optimizer.gathered_for_saving(callback.model):
+            run_on_chief(strategy, write, "BackupAndRestore")
 
     original_begin = callback.on_train_begin
     original_end = callback.on_train_end

@@ -113,6 +113,13 @@ def check_shardable(optimizer):
 class OptimizerShard:
     """One rank's optimizer over its `pieces` of `variables` (see module doc).
 
+    The slice optimizer (`inner`) is built on one flat slice per variable, in
+    the variables' order: this rank's piece of it, or an empty slice where the
+    rank owns none of it. Its variables then line up one for one with those a
+    whole optimizer built on `variables` would have (`whole_variable_index`),
+    which is what lets the ranks' slots be gathered into an ordinary checkpoint
+    and a checkpoint be cut into slots again.
+
     Args:
         optimizer: the user's optimizer (it keeps its config, step count and
             learning rate; it is given no slots).
@@ -125,33 +132,48 @@ class OptimizerShard:
         self.optimizer = optimizer
         self.variables = list(variables)
         self.pieces = list(pieces)
+        owned = {piece.index: piece for piece in self.pieces}
+        if len(owned) != len(self.pieces):
+            raise InvalidArgumentError(
+                f"pieces: a rank owns at most one contiguous piece of each variable. Received: {self.pieces!r}.")
+        # (start, stop) of this rank's elements of each variable; (0, 0) where it owns none.
+        self.ranges = [(owned[i].start, owned[i].stop) if i in owned else (0, 0)
+                       for i in range(len(self.variables))]
         config = optimizer.get_config()
         config.update({key: None for key in _CLIPPING}, loss_scale_factor=None)
         self.inner = type(optimizer).from_config(config)
         self.slices = [
-            keras.Variable(np.zeros(piece.stop - piece.start, keras.backend.standardize_dtype(
-                self.variables[piece.index].dtype)), name=self.variables[piece.index].name)
-            for piece in self.pieces
+            keras.Variable(np.zeros(stop - start, keras.backend.standardize_dtype(variable.dtype)),
+                           name=variable.name)
+            for variable, (start, stop) in zip(self.variables, self.ranges)
         ]
-        excluded = [slice_ for slice_, piece in zip(self.slices, self.pieces)
-                    if not _compat.uses_weight_decay(optimizer, self.variables[piece.index])]
+        excluded = [slice_ for slice_, variable in zip(self.slices, self.variables)
+                    if not _compat.uses_weight_decay(optimizer, variable)]
         if excluded:
             self.inner.exclude_from_weight_decay(var_list=excluded)
-        self.inner.build(self.slices)
+        # id(slot) -> index of the variable whose slice it was made from.
+        self.references = _build_recording_references(self.inner, self.slices)
 
     @property
     def slot_variables(self):
         """The slots this rank holds (its slices' moments, accumulators, EMA...)."""
-        return [variable for variable in self.inner.variables
-                if variable is not _compat.iterations_variable(self.inner)
-                and variable is not _compat.learning_rate_variable(self.inner)]
+        own = self.inner_own_variables
+        return [variable for variable in self.inner.variables if not any(variable is o for o in own)]
+
+    @property
+    def inner_own_variables(self):
+        """The slice optimizer's variables that are not slots (its step count and learning rate)."""
+        return [v for v in (_compat.iterations_variable(self.inner), _compat.learning_rate_variable(self.inner))
+                if v is not None]
 
     def apply(self, gradients):
         """Updates this rank's pieces from the whole, reduced `gradients` (one per variable, or None).
 
         Returns the updated values of the pieces, flat, in order; the whole
         variables are changed only where Keras overwrites them with their
-        gradient. Call once per step on every rank, with the same gradients.
+        gradient. Every slice is first refreshed from its variable, so
+        `slices` holds the current value of every owned element afterwards.
+        Call once per step on every rank, with the same gradients.
         """
         optimizer = self.optimizer
         pairs = [(gradient, variable) for gradient, variable in zip(gradients, self.variables)
@@ -161,6 +183,7 @@ class OptimizerShard:
                 variable.assign(gradient)
         whole = {id(variable): gradient for gradient, variable in pairs
                  if not getattr(variable, "overwrite_with_gradient", False)}
+        self.refresh()
         if whole:
             scale = optimizer.loss_scale_factor
             if scale is not None:
@@ -170,18 +193,26 @@ class OptimizerShard:
                 whole = dict(zip(keys, _compat.clip_gradients(optimizer, [whole[key] for key in keys])))
             self._sync_hyperparameters()
             slice_gradients, slices = [], []
-            for piece, slice_ in zip(self.pieces, self.slices):
-                variable = self.variables[piece.index]
+            # Empty slices too: every rank applies to the same variables, so
+            # per-apply state (Nadam's momentum product) advances alike everywhere.
+            for (start, stop), slice_, variable in zip(self.ranges, self.slices, self.variables):
                 gradient = whole.get(id(variable))
-                if gradient is None:
-                    continue
-                slice_.assign(keras.ops.reshape(variable.value, (-1,))[piece.start:piece.stop])
-                slice_gradients.append(keras.ops.reshape(gradient, (-1,))[piece.start:piece.stop])
-                slices.append(slice_)
-            if slices:
-                self.inner.apply(slice_gradients, slices)
+                if gradient is not None:
+                    slice_gradients.append(keras.ops.reshape(gradient, (-1,))[start:stop])
+                    slices.append(slice_)
+            self.inner.apply(slice_gradients, slices)
         _compat.iterations_variable(optimizer).assign_add(1)
-        return [slice_.value for slice_ in self.slices]
+        return [self.slices[piece.index].value for piece in self.pieces]
+
+    def refresh(self):
+        """Copies this rank's elements of every variable into its slices."""
+        for (start, stop), slice_, variable in zip(self.ranges, self.slices, self.variables):
+            if stop > start:
+                slice_.assign(keras.ops.reshape(variable.value, (-1,))[start:stop])
+
+    def whole_variable_index(self, variable):
+        """Index of `variable` (one of `inner.variables`) among the model's variables, or None if not a slice's slot."""
+        return self.references.get(id(variable))
 
     def _sync_hyperparameters(self):
         optimizer, inner = self.optimizer, self.inner
@@ -194,6 +225,27 @@ class OptimizerShard:
             if not key.startswith("_") and isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and key not in _CLIPPING and key != "loss_scale_factor" and hasattr(inner, key):
                 setattr(inner, key, value)
+
+
+def _build_recording_references(inner, slices):
+    """Builds `inner` on `slices`; returns {id(slot): index of the slice it was made from}."""
+    positions = {id(slice_): index for index, slice_ in enumerate(slices)}
+    references = {}
+    original = inner.add_variable_from_reference
+
+    def recording(reference_variable, *args, **kwargs):
+        slot = original(reference_variable, *args, **kwargs)
+        index = positions.get(id(reference_variable))
+        if index is not None:
+            references[id(slot)] = index
+        return slot
+
+    object.__setattr__(inner, "add_variable_from_reference", recording)
+    try:
+        inner.build(slices)
+    finally:
+        object.__delattr__(inner, "add_variable_from_reference")
+    return references
 
 
 def put_back(variables, pieces, values):
