@@ -26,8 +26,8 @@ whichever rank computes it:
 Refused with `UnsupportedError` (`check_shardable`): optimizers whose update
 reads a whole tensor (Adafactor's factored moments, Muon's orthogonalisation),
 whose update is not exactly rounded per element (Ftrl's `pow`, see `ELEMENT_WISE`),
-or that wrap another (`LossScaleOptimizer`, whose skip decision is global), and
-gradient accumulation together with clipping (Keras clips the accumulated
+or that wrap another (a `LossScaleOptimizer` is sharded through its inner
+optimizer by `sharded_optimizer`, not here), and gradient accumulation together with clipping (Keras clips the accumulated
 gradient, which no rank holds whole).
 """
 

@@ -34,8 +34,10 @@ compiled (`optimizer_shards.check_shardable`).
 """
 
 import contextlib
+import functools
 import warnings
 
+import keras
 import numpy as np
 import torch
 
@@ -44,16 +46,29 @@ from kdist.errors import InvalidArgumentError, UnsupportedError
 from kdist.keras import _compat, adapters
 from kdist.keras.replica import optimizer_shards
 
-_STATE = "_kdist_sharded_state"
+_STATE = "_kdist_sharded_state"  # on the optimizer whose slots are sharded
+_SAVED_BY = "_kdist_sharded_saving"  # on the model's optimizer, which saves them
 
 
 def state_of(optimizer):
-    """The `ShardedOptimizerState` of `optimizer`, or None when its state is whole."""
+    """The `ShardedOptimizerState` of `optimizer` if its own slots are sharded (not a wrapper's), else None."""
     return getattr(optimizer, _STATE, None)
 
 
+def sharded_target(optimizer):
+    """The optimizer whose slots are sharded when `optimizer` is the model's: its inner one for a `LossScaleOptimizer`.
+
+    The loss-scale wrapper keeps its own logic (the finite check over the
+    whole gradient, which every rank holds, and its scale): every rank takes
+    the same branch and its inner optimizer updates the rank's slices.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 def install(optimizer, strategy):
-    """Shards `optimizer`'s state over `strategy`'s processes (at attach). Idempotent.
+    """Shards the state of the model's `optimizer` over `strategy`'s processes (at attach). Idempotent.
 
     Raises:
         kdist.errors.UnsupportedError: the optimizer's update is not element-wise
@@ -65,7 +80,8 @@ def install(optimizer, strategy):
     if optimizer is None:
         return None
     collectives = strategy.extended.collectives
-    state = state_of(optimizer)
+    target = sharded_target(optimizer)
+    state = state_of(target)
     if state is not None:
         if state.collectives is not collectives:
             raise UnsupportedError(
@@ -74,26 +90,35 @@ def install(optimizer, strategy):
                 "MultiWorkerMirroredStrategy(shard_optimizer_state=True). Expected: a new optimizer.")
         return state
     check(optimizer)
-    state = ShardedOptimizerState(optimizer, collectives)
-    object.__setattr__(optimizer, _STATE, state)
-    for name in ("build", "save_own_variables", "load_own_variables", "finalize_variable_values"):
-        object.__setattr__(optimizer, name, getattr(state, name))
-    if optimizer.built:  # built with no slots (SGD without momentum): shard what it knows
-        state.build(_compat.optimizer_trainable_variables(optimizer))
+    state = ShardedOptimizerState(target, collectives, saved_by=optimizer)
+    object.__setattr__(target, _STATE, state)
+    object.__setattr__(optimizer, _SAVED_BY, state)
+    for name in ("build", "finalize_variable_values"):
+        object.__setattr__(target, name, getattr(state, name))
+    if target is not optimizer:
+        # The wrapper calls its inner optimizer's `apply` itself, with the unscaled gradients.
+        object.__setattr__(target, "apply", state.apply)
+    # Keras saves a LossScaleOptimizer's variables (its own and its inner one's), then the inner one's again.
+    for owner in {id(optimizer): optimizer, id(target): target}.values():
+        for name in ("save_own_variables", "load_own_variables"):
+            object.__setattr__(owner, name, functools.partial(getattr(state, name), owner=owner))
+    if target.built:  # built with no slots (SGD without momentum): shard what it knows
+        state.build(_compat.optimizer_trainable_variables(target))
     return state
 
 
 def check(optimizer):
-    """Raises when `optimizer`'s state cannot be sharded (see `install`); changes nothing."""
-    if state_of(optimizer) is not None:
+    """Raises when the state of the model's `optimizer` cannot be sharded (see `install`); changes nothing."""
+    target = sharded_target(optimizer)
+    if state_of(target) is not None:
         return
-    optimizer_shards.check_shardable(optimizer)
-    own = [v for v in (_compat.iterations_variable(optimizer), _compat.learning_rate_variable(optimizer))
+    optimizer_shards.check_shardable(target)
+    own = [v for v in (_compat.iterations_variable(target), _compat.learning_rate_variable(target))
            if v is not None]
-    if optimizer.built and len(optimizer.variables) > len(own):
+    if target.built and len(target.variables) > len(own):
         raise InvalidArgumentError(
             f"optimizer: {optimizer.name!r} was already built and holds its whole state "
-            f"({len(optimizer.variables) - len(own)} slot variables), so it cannot be sharded. Received: "
+            f"({len(target.variables) - len(own)} slot variables), so it cannot be sharded. Received: "
             "a built optimizer with shard_optimizer_state=True. Expected: an optimizer not yet used, "
             "e.g. compile(optimizer='adam') or a new keras.optimizers instance, inside the scope.")
 
@@ -106,11 +131,11 @@ def gathered_for_saving(model):
     writes (the other ranks wait for it and so cannot take part in a gather
     made inside the write). Nothing happens for an optimizer with whole state.
     """
-    state = state_of(getattr(model, "optimizer", None))
+    state = getattr(getattr(model, "optimizer", None), _SAVED_BY, None)
     if state is None or state.shard is None:
         yield
         return
-    state.saving_values = state.whole_values()
+    state.saving_values = state._whole_slots()
     try:
         yield
     finally:
@@ -120,17 +145,22 @@ def gathered_for_saving(model):
 class ShardedOptimizerState:
     """The sharded state of one optimizer in one process (see module doc).
 
-    Its `build`, `save_own_variables`, `load_own_variables` and
-    `finalize_variable_values` replace the optimizer's own on the instance;
-    `apply` is reached through `ReplicaAdapter.apply_gradients`.
+    Its `build` and `finalize_variable_values` replace those of the sharded
+    optimizer on the instance, and `save_own_variables`/`load_own_variables`
+    those of the model's optimizer (`saved_by`: the same one, or the
+    `LossScaleOptimizer` around it). `apply` is reached through
+    `ReplicaAdapter.apply_gradients`, or from the wrapper's own `apply`.
 
     Args:
-        optimizer: the user's optimizer.
+        optimizer: the optimizer whose slots are sharded.
         collectives: the job's `kdist.collectives.process.ProcessCollectives`.
+        saved_by: the model's optimizer, whose saved variables are its own
+            followed by the sharded optimizer's slots (Keras' order).
     """
 
-    def __init__(self, optimizer, collectives):
+    def __init__(self, optimizer, collectives, saved_by=None):
         self.optimizer = optimizer
+        self.saved_by = saved_by if saved_by is not None else optimizer
         self.collectives = collectives
         self.shard = None  # optimizer_shards.OptimizerShard, once built
         self.plan = None
@@ -150,27 +180,32 @@ class ShardedOptimizerState:
         self._index = {id(variable): index for index, variable in enumerate(variables)}
         _compat.mark_optimizer_built(self.optimizer, variables)
 
-    def save_own_variables(self, store):
-        """Writes the whole optimizer's variables, in Keras' order (a collective unless gathered already)."""
+    def save_own_variables(self, store, owner=None):
+        """`owner.save_own_variables`: its whole variables in Keras' order (a collective unless gathered already).
+
+        `owner`: the model's optimizer (default) or, under a `LossScaleOptimizer`,
+        the inner one, which Keras saves again on its own.
+        """
+        owner = self.saved_by if owner is None else owner
         if self.shard is None:
-            type(self.optimizer).save_own_variables(self.optimizer, store)
+            type(owner).save_own_variables(owner, store)
             return
-        values = self.saving_values if self.saving_values is not None else self.whole_values()
-        for index, value in enumerate(values):
+        for index, value in enumerate(self.whole_values(owner)):
             store[str(index)] = value
 
-    def load_own_variables(self, store):
-        """Reads a whole optimizer's variables and keeps this rank's slices of its slots."""
-        optimizer = self.optimizer
+    def load_own_variables(self, store, owner=None):
+        """`owner.load_own_variables`: reads whole variables and keeps this rank's slices of the slots."""
+        owner = self.saved_by if owner is None else owner
         if self.shard is None:
-            type(optimizer).load_own_variables(optimizer, store)
+            type(owner).load_own_variables(owner, store)
             return
-        own = list(optimizer.variables)
+        # What `owner` lists (its own, the sharded one's step count and rate), then the slots.
+        own = list(owner.variables)
         slots = self.shard.slot_variables
         expected = len(own) + len(slots)
         if len(store.keys()) != expected:
             warnings.warn(
-                f"Skipping variable loading for optimizer '{optimizer.name}', because it has {expected} "
+                f"Skipping variable loading for optimizer '{owner.name}', because it has {expected} "
                 f"variables whereas the saved optimizer has {len(store.keys())} variables. ", stacklevel=2)
             return
         values = [np.asarray(store[str(index)]) for index in range(expected)]
@@ -212,9 +247,9 @@ class ShardedOptimizerState:
                 accumulator.assign(accumulator.value + part)
 
     # ----- the update ----------------------------------------------------------
-    def apply(self, gradients, variables):
-        """Keras' `apply(gradients, variables)`, each rank updating its slices, then an all-gather."""
-        gradients = list(gradients)
+    def apply(self, grads, trainable_variables=None):
+        """Keras' `apply`, each rank updating its slices, then an all-gather."""
+        gradients, variables = list(grads), trainable_variables
         if not gradients:
             return
         if variables is None:
@@ -244,10 +279,18 @@ class ShardedOptimizerState:
             optimizer_shards.apply_constraints(applied)
 
     # ----- gathers ---------------------------------------------------------------
-    def whole_values(self):
-        """The whole optimizer's variables as NumPy arrays, in Keras' order (a collective)."""
+    def whole_values(self, owner=None):
+        """The whole variables of `owner` (default: the model's optimizer) as NumPy arrays, in Keras' order.
+
+        A collective unless `gathered_for_saving` is active: the slots are
+        gathered from every rank.
+        """
+        owner = self.saved_by if owner is None else owner
+        own = [np.asarray(variable.numpy()) for variable in owner.variables]
+        return own + (self.saving_values if self.saving_values is not None else self._whole_slots())
+
+    def _whole_slots(self):
         shard = self.shard
-        own = [np.asarray(variable.numpy()) for variable in self.optimizer.variables]
         slots = shard.slot_variables
         sliced = [slot for slot in slots if shard.whole_variable_index(slot) is not None]
         gathered = dict(zip(map(id, sliced), self._gather(
@@ -256,7 +299,7 @@ class ShardedOptimizerState:
         for slot in slots:
             value = gathered.get(id(slot))
             values.append(np.asarray(slot.numpy()) if value is None else value.cpu().numpy())
-        return own + values
+        return values
 
     def _gather_into_variables(self, skip_last_rank=False):
         shard = self.shard
