@@ -45,6 +45,9 @@ CASES = {
     "mwms2_rank1": (["--nproc", "2"], "worker-1", "mwms", SAVE_FREQ),
     "mwms3_rank0": (["--nproc", "3"], "worker-0", "mwms", SAVE_FREQ),
     "mwms3_rank2": (["--nproc", "3"], "worker-2", "mwms", SAVE_FREQ),
+    # Optimizer state sharded across the ranks (ZeRO-1): each rank's backup share
+    # is gathered into the one backup file, and cut again at the restart.
+    "mwms2_sharded_rank1": (["--nproc", "2"], "worker-1", "mwms_sharded", SAVE_FREQ),
     # A parameter-server fit resumes at an epoch's start (Keras' behaviour,
     # kdist/keras/step_resume.py), so only an end-of-epoch backup resumes exactly.
     "between_graph_worker": (["--workers", "1", "--ps", "1"], "worker-0", "ps", "epoch"),
@@ -65,7 +68,7 @@ def draws(case):
     In 1 .. TOTAL_STEPS - 1; for a parameter-server case, after the first backup
     (the end of epoch 0): before it there is nothing to restore (see NO_BACKUP_PENDING).
     """
-    first = 1 if CASES[case][2] == "mwms" else fault_fit.STEPS_PER_EPOCH + 1
+    first = 1 if CASES[case][2].startswith("mwms") else fault_fit.STEPS_PER_EPOCH + 1
     return sorted(random.Random(f"{SEED}/{case}").sample(range(first, TOTAL_STEPS), NUM_DRAWS))
 
 
@@ -127,7 +130,7 @@ def test_a_process_killed_at_a_drawn_step_restarts_and_ends_equal_to_the_uninter
     _, victim, mode, save_freq = CASES[case]
     launcher, ranks = run_job(tmp_path, case, kill_step)
 
-    if mode == "mwms":
+    if mode.startswith("mwms"):
         assert len(ranks) == int(CASES[case][0][1])
         # At most save_freq steps trained before the kill are trained again.
         assert kill_step - SAVE_FREQ <= resumed_from(launcher, tmp_path) <= kill_step
@@ -144,7 +147,7 @@ def test_a_process_killed_at_a_drawn_step_restarts_and_ends_equal_to_the_uninter
         if victim.startswith("chief-"):  # from the end of the epoch before the kill
             assert resumed_from(launcher, tmp_path) == (kill_step - 1) // fault_fit.STEPS_PER_EPOCH * (
                 fault_fit.STEPS_PER_EPOCH)
-    expected = reference(shuffle=mode == "mwms")  # parameter-server fits: shuffle=False
+    expected = reference(shuffle=mode.startswith("mwms"))  # parameter-server fits: shuffle=False
     assert mismatches(expected, ranks[0]) == []
     assert int(ranks[0]["optimizer/0"]) == TOTAL_STEPS  # iterations: each step applied once
 

@@ -4,7 +4,9 @@ fault_fit.py OUTDIR --mode mwms|ps|coordinator --kill-task NAME --kill-step K [-
              [--epochs E] [--fault SWITCH]
 
 Every run writes OUTDIR/<pid>.pid (and, with `TF_CONFIG`, OUTDIR/task-<name>.pid).
-`--mode mwms`: one rank of a `MultiWorkerMirroredStrategy` job (names "worker-R").
+`--mode mwms`: one rank of a `MultiWorkerMirroredStrategy` job (names "worker-R");
+`--mode mwms_sharded`: the same with `shard_optimizer_state=True` (the whole
+optimizer state, gathered from the ranks, is what it writes).
 `--mode ps`: a task of a between-graph parameter-server job: a ps serves, a
 worker trains with `ParameterServerStrategy`. `--mode coordinator`: ps and
 workers serve, the chief trains with a `ClusterCoordinator` (one closure in
@@ -96,14 +98,23 @@ def train(strategy=None, callbacks=(), epochs=EPOCHS, shuffle=True, seed=SEED, b
     # Keyed by position: variable paths carry per-process name counters.
     for i, variable in enumerate(model.weights):
         results[f"weight/{i}"] = np.asarray(keras.ops.convert_to_numpy(variable))
-    for i, variable in enumerate(model.optimizer.variables):
-        results[f"optimizer/{i}"] = np.asarray(keras.ops.convert_to_numpy(variable))
+    for i, value in enumerate(_optimizer_values(model, strategy)):
+        results[f"optimizer/{i}"] = np.asarray(value)
     for key, values in history.history.items():
         results[f"history/{key}"] = np.asarray(values, dtype="float64")
     for key, value in evaluation.items():
         results[f"evaluate/{key}"] = np.asarray(value, dtype="float64")
     results["predict"] = np.asarray(predictions)
     return results
+
+
+def _optimizer_values(model, strategy):
+    """The optimizer's variables; with sharded state, the whole state gathered from every rank (a collective)."""
+    if getattr(getattr(strategy, "extended", None), "shard_optimizer_state", False):
+        from kdist.keras.replica import sharded_optimizer
+
+        return sharded_optimizer.state_of(sharded_optimizer.sharded_target(model.optimizer)).whole_values()
+    return [keras.ops.convert_to_numpy(variable) for variable in model.optimizer.variables]
 
 
 class KillAtStep(keras.callbacks.Callback):
@@ -130,7 +141,7 @@ class KillAtStep(keras.callbacks.Callback):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--mode", choices=["mwms", "ps", "coordinator"], required=True)
+    parser.add_argument("--mode", choices=["mwms", "mwms_sharded", "ps", "coordinator"], required=True)
     parser.add_argument("--kill-task", required=True)
     parser.add_argument("--kill-step", type=int, required=True)
     parser.add_argument("--save-freq", default="epoch")
@@ -145,9 +156,10 @@ def main():
 
     if args.fault:
         setattr(faults.ACTIVE, args.fault, True)
-    if args.mode == "mwms":
+    if args.mode.startswith("mwms"):
         strategy = kdist.MultiWorkerMirroredStrategy(
-            communication_options=kdist.CommunicationOptions(timeout_seconds=COLLECTIVE_TIMEOUT_SECONDS)
+            communication_options=kdist.CommunicationOptions(timeout_seconds=COLLECTIVE_TIMEOUT_SECONDS),
+            shard_optimizer_state=args.mode == "mwms_sharded",
         )
         rank = strategy.extended.collectives.rank
         name, shuffle = f"worker-{rank}", True
