@@ -225,6 +225,24 @@ class ProcessCollectives:
         self._run(f"all_gather({name})", lambda: dist.all_gather(gathered, padded))
         return torch.cat([part[:rows] for part, rows in zip(gathered, rows_per_rank)])
 
+    def all_gather_flat(self, tensor, name="tensor", out=None):
+        """Every rank's 1-D `tensor` (all of one length), end to end in rank order: one call, no copies.
+
+        Args:
+            out: where to gather (`world_size * len(tensor)` elements, on
+                `self.device`), or None for a new tensor.
+        """
+        tensor = tensor.reshape(-1).to(self.device)
+        if out is None:
+            out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=self.device)
+        if self.world_size == 1:
+            out.copy_(tensor)
+            return out
+        payload = _nbytes(tensor)
+        self._statistics.record(f"all_gather({name})", payload, all_gather_wire_bytes(payload, self.world_size))
+        self._run(f"all_gather({name})", lambda: dist.all_gather_into_tensor(out, tensor))
+        return out
+
     def all_reduce_min(self, tensors, name="tensors"):
         """Element-wise minima over ranks, one call per tensor (for small control values)."""
         tensors = [t.clone().to(self.device) for t in tensors]

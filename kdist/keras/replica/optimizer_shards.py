@@ -147,6 +147,7 @@ class OptimizerShard:
                            name=variable.name)
             for variable, (start, stop) in zip(self.variables, self.ranges)
         ]
+        self.refresh()
         excluded = [slice_ for slice_, variable in zip(self.slices, self.variables)
                     if not _compat.uses_weight_decay(optimizer, variable)]
         if excluded:
@@ -169,10 +170,10 @@ class OptimizerShard:
     def apply(self, gradients):
         """Updates this rank's pieces from the whole, reduced `gradients` (one per variable, or None).
 
-        Returns the updated values of the pieces, flat, in order; the whole
-        variables are changed only where Keras overwrites them with their
-        gradient. Every slice is first refreshed from its variable, so
-        `slices` holds the current value of every owned element afterwards.
+        Returns the updated values of the pieces, flat, in order. The slices
+        are views of the variables (`refresh`), so this rank's elements of the
+        variables are updated in place; the other ranks' elements are not
+        touched, except where Keras overwrites a variable with its gradient.
         Call once per step on every rank, with the same gradients.
         """
         optimizer = self.optimizer
@@ -205,10 +206,24 @@ class OptimizerShard:
         return [self.slices[piece.index].value for piece in self.pieces]
 
     def refresh(self):
-        """Copies this rank's elements of every variable into its slices."""
+        """Makes every slice this rank's elements of its variable: a view of the variable's own storage.
+
+        The slice optimizer then updates the model's elements in place, with
+        no copy either way and no second copy held. A variable whose storage
+        was replaced since (Keras' `assign` writes in place, so this is rare)
+        is viewed again.
+        """
         for (start, stop), slice_, variable in zip(self.ranges, self.slices, self.variables):
             if stop > start:
-                slice_.assign(keras.ops.reshape(variable.value, (-1,))[start:stop])
+                whole = _compat.torch_tensor_of(variable)
+                if not whole.is_contiguous():
+                    raise UnsupportedError(
+                        f"Optimizer state can be sharded for variables stored contiguously. Received: "
+                        f"{variable.path!r}, whose torch tensor has strides {whole.stride()} for shape "
+                        f"{tuple(whole.shape)}. Train it with shard_optimizer_state=False.")
+                part = _compat.torch_tensor_of(slice_)
+                if part.data_ptr() != whole.data_ptr() + start * whole.element_size():
+                    part.data = whole.detach().view(-1)[start:stop]
 
     def whole_variable_index(self, variable):
         """Index of `variable` (one of `inner.variables`) among the model's variables, or None if not a slice's slot."""

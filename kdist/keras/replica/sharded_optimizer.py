@@ -302,24 +302,65 @@ class ShardedOptimizerState:
         return values
 
     def _gather_into_variables(self, skip_last_rank=False):
-        shard = self.shard
-        parts = [(_compat.torch_tensor_of(slice_), index) for index, slice_ in enumerate(shard.slices)]
-        with torch.no_grad():
-            for index, (variable, value) in enumerate(zip(shard.variables, self._gather(parts, "optimizer_shards"))):
-                if skip_last_rank:
-                    value = self._keeping_last_ranks_old_elements(index, variable, value)
-                variable.assign(value.to(_compat.torch_tensor_of(variable).device))
+        """The other ranks' updated slices into the whole variables, in chunks of `bucket_bytes` per rank.
 
-    def _keeping_last_ranks_old_elements(self, index, variable, value):
-        """The negative control's bug (`faults.optimizer_slice_missed`): the last rank's update lost."""
-        last = self.collectives.world_size - 1
-        piece = next((p for p in self.plan[last] if p.index == index), None)
-        if piece is None or self.collectives.rank == last:
-            return value
-        flat = value.reshape(-1).clone()
-        old = _compat.torch_tensor_of(variable).detach().reshape(-1)[piece.start:piece.stop]
-        flat[piece.start:piece.stop] = old.to(flat.device)
-        return flat.reshape(value.shape)
+        Each rank's slices are views of its variables (`OptimizerShard.refresh`),
+        already updated in place. Per dtype, each rank sends its slices end to
+        end (padded to the longest rank's length), one chunk per all-gather, and
+        every other rank's piece is copied from the chunk straight into its
+        variable's storage: the temporary memory is `world_size` chunks, not a
+        model. `skip_last_rank` is the negative control's bug
+        (`faults.optimizer_slice_missed`).
+        """
+        shard, collectives = self.shard, self.collectives
+        here, last = collectives.rank, collectives.world_size - 1
+        with torch.no_grad():
+            for dtype, (length, placements) in self._dtype_layouts().items():
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                chunk = max(optimizer_shards.ALIGN, min(length, collectives.options.bucket_bytes // itemsize))
+                local = torch.empty(chunk, dtype=dtype, device=collectives.device)
+                gathered = torch.empty(collectives.world_size * chunk, dtype=dtype, device=collectives.device)
+                for low in range(0, length, chunk):
+                    size = min(chunk, length - low)
+                    piece_of = functools.partial(_overlap, low, low + size)
+                    sending = local[:size]
+                    sending.zero_()
+                    for index, start, stop, offset in placements[here]:
+                        a, b = piece_of(offset, stop - start)
+                        if a < b:
+                            own = _compat.torch_tensor_of(shard.slices[index]).detach()
+                            sending[a - low:b - low] = own[a - offset:b - offset].to(collectives.device)
+                    received = collectives.all_gather_flat(
+                        sending, name="optimizer_shards", out=gathered[: collectives.world_size * size])
+                    for rank, pieces in enumerate(placements):
+                        if rank == here or (skip_last_rank and rank == last):
+                            continue
+                        base = rank * size
+                        for index, start, stop, offset in pieces:
+                            a, b = piece_of(offset, stop - start)
+                            if a < b:
+                                target = _compat.torch_tensor_of(shard.variables[index]).view(-1)
+                                target[start + a - offset:start + b - offset].copy_(
+                                    received[base + a - low:base + b - low].to(target.device))
+
+    def _dtype_layouts(self):
+        """{torch dtype: (padded length per rank, per rank [(variable index, start, stop, offset)])}."""
+        if self._layout is None:
+            layouts = {}
+            for index, variable in enumerate(self.shard.variables):
+                dtype = _compat.torch_tensor_of(variable).dtype
+                layouts.setdefault(dtype, [[] for _ in self.plan])
+                for rank, pieces in enumerate(self.plan):
+                    for piece in pieces:
+                        if piece.index == index:
+                            placed = layouts[dtype][rank]
+                            offset = placed[-1][3] + placed[-1][2] - placed[-1][1] if placed else 0
+                            placed.append((index, piece.start, piece.stop, offset))
+            self._layout = {
+                dtype: (max((p[-1][3] + p[-1][2] - p[-1][1]) if p else 0 for p in placements), placements)
+                for dtype, placements in layouts.items()
+            }
+        return self._layout
 
     def _gather(self, parts, name):
         """Whole tensors from every rank's slices: `parts` is `[(this rank's slice, variable index)]`.
@@ -352,3 +393,8 @@ class ShardedOptimizerState:
                 whole = torch.cat(pieces[p]) if pieces[p] else flat[:0]  # a variable of no elements
                 results[p] = whole.reshape(shape)
         return results
+
+
+def _overlap(low, high, offset, length):
+    """`[a, b)`: the part of `[offset, offset + length)` inside `[low, high)` (empty when a >= b)."""
+    return max(low, offset), min(high, offset + length)

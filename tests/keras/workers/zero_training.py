@@ -143,6 +143,7 @@ def main():
     parser.add_argument("--resume-from")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--bucket-bytes", type=int, help="CommunicationOptions.bucket_bytes (the gather's chunk too)")
     parser.add_argument("--fault", choices=["optimizer_slice_applied_twice", "optimizer_slice_missed"])
     args = parser.parse_args()
     import kdist
@@ -152,7 +153,8 @@ def main():
     if args.fault:
         setattr(faults.ACTIVE, args.fault, True)
 
-    strategy = kdist.MultiWorkerMirroredStrategy(shard_optimizer_state=args.sharded)
+    options = kdist.CommunicationOptions(bucket_bytes=args.bucket_bytes) if args.bucket_bytes else None
+    strategy = kdist.MultiWorkerMirroredStrategy(communication_options=options, shard_optimizer_state=args.sharded)
     rank = strategy.extended.collectives.rank
     if args.refusals:
         check_refusals(kdist, strategy)
