@@ -22,6 +22,7 @@ least 0.95). benchmarks/README.md explains the fields and records runs.
 Usage:
 
     python benchmarks/zero_memory.py                        # ~204 M parameters, 2 and 4 processes
+    python benchmarks/zero_memory.py --size half --processes 4    # ~99 M parameters
     python benchmarks/zero_memory.py --size quick --processes 2   # smoke run, seconds
 """
 
@@ -44,6 +45,9 @@ CONFIGS = ("whole", "sharded")
 SIZES = {
     # 32000 x 1024 embedding and head (65.5 M) + 11 blocks of 12.6 M: about 204 M parameters.
     "full": dict(vocabulary=32000, model_dim=1024, num_heads=16, num_blocks=11, sequence=32, batch=4),
+    # 32000 x 768 embedding and head (49.2 M) + 7 blocks of 7.1 M: about 99 M parameters. Four
+    # processes of "full" need about 32 GB unsharded: more than a 24 GiB machine holds.
+    "half": dict(vocabulary=32000, model_dim=768, num_heads=12, num_blocks=7, sequence=32, batch=4),
     "quick": dict(vocabulary=512, model_dim=64, num_heads=4, num_blocks=2, sequence=16, batch=8),
 }
 WEIGHT_DECAY = 0.01
