@@ -27,8 +27,8 @@ replica's gradients, merge replicas, apply); whatever finally updates
 variables (the replica engine, merge mode, a custom loop's merge, a
 parameter-server push) goes through `apply_update`, which calls the owner's
 `KerasAdapter.apply_gradients`. That one method is where an update is made:
-plain Keras `apply` here, a push to the servers for parameter servers; an
-optimizer-state sharding (ZeRO-1) would override it alone.
+plain Keras `apply` here, a push to the servers for parameter servers. Sharded
+optimizer state replaces what the final `apply` runs (`apply_through`).
 """
 
 import contextlib
@@ -141,6 +141,17 @@ def attach_optimizer(optimizer, strategy):
         return
     original = optimizer.apply
     object.__setattr__(optimizer, "apply", functools.partial(_intercepted, optimizer, original))
+    object.__setattr__(optimizer, "_kdist_routed_instance", True)
+
+
+def apply_through(optimizer, function):
+    """Makes `function(grads, trainable_variables)` what `optimizer.apply` runs once routed, instead of Keras' own.
+
+    Calls are still routed to the owner's `optimizer_step` first (replicas
+    record, merge mode merges); the adapter's final, unrouted `apply` then
+    reaches `function`. Used by optimizer-state sharding.
+    """
+    object.__setattr__(optimizer, "apply", functools.partial(_intercepted, optimizer, function))
     object.__setattr__(optimizer, "_kdist_routed_instance", True)
 
 

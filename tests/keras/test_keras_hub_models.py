@@ -95,7 +95,13 @@ def test_a_keras_hub_task_built_in_a_two_replica_scope_trains_like_plain_keras(n
     model, history, predictions = _train(BUILDERS[name], m.mirrored(2))
     assert kdist.keras.hooks.strategy_of(model) is not None
     assert model.train_function.__self__.__class__.__name__ == "ReplicaEngine"
-    for a, b in zip(plain.get_weights(), model.get_weights(), strict=True):
+    for variable, a, b in zip(plain.weights, plain.get_weights(), model.get_weights(), strict=True):
+        if variable.path.endswith("/key/bias"):
+            # An attention key bias adds the same amount to every logit of a query, which
+            # softmax ignores: its gradient is zero up to rounding, and Adam divides that
+            # rounding noise by its epsilon. Both runs must leave it near zero, not equal.
+            assert np.abs(a).max() < 1e-3 and np.abs(b).max() < 1e-3, (variable.path, a, b)
+            continue
         np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE)
     for key, values in plain_history.items():
         np.testing.assert_allclose(values, history[key], rtol=TOLERANCE, atol=TOLERANCE, err_msg=key)

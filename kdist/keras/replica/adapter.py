@@ -8,7 +8,7 @@
   `predict` agree on their inputs and callbacks (`kdist.keras.replica.multi_worker`),
   `save`/`save_weights` are collectives the chief writes, and metrics are not
   reduced a second time by Keras.
-- With `shard_optimizer_state`, `apply_gradients` updates this rank's share
+- With `shard_optimizer_state`, the final `apply` updates this rank's share
   of the optimizer state (`kdist.keras.replica.sharded_optimizer`).
 - A step whose split would hand a torch `BatchNorm` (inside a
   `TorchModuleWrapper`) one sample on some replica is refused before it runs
@@ -60,12 +60,6 @@ class ReplicaAdapter(adapters.KerasAdapter):
             arguments = inspect.signature(compile_method).bind(model, *args, **kwargs).arguments
             optimizer = arguments.get("optimizer", inspect.signature(compile_method).parameters["optimizer"].default)
             sharded_optimizer.check(keras.optimizers.get(optimizer))
-
-    def apply_gradients(self, optimizer, gradients, variables):
-        state = sharded_optimizer.state_of(optimizer)
-        if state is not None:  # each rank updates its share, then they all-gather
-            return state.apply(gradients, variables)
-        return super().apply_gradients(optimizer, gradients, variables)
 
     def route_call(self, method, model, name, args, kwargs):
         strategy = self.strategy

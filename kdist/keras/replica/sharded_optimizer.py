@@ -98,6 +98,9 @@ def install(optimizer, strategy):
     if target is not optimizer:
         # The wrapper calls its inner optimizer's `apply` itself, with the unscaled gradients.
         object.__setattr__(target, "apply", state.apply)
+    else:
+        # Routed as before (replicas record, merge mode merges); the final `apply` is the shard's.
+        adapters.apply_through(optimizer, state.apply)
     # Keras saves a LossScaleOptimizer's variables (its own and its inner one's), then the inner one's again.
     for owner in {id(optimizer): optimizer, id(target): target}.values():
         for name in ("save_own_variables", "load_own_variables"):
@@ -135,7 +138,7 @@ def gathered_for_saving(model):
     if state is None or state.shard is None:
         yield
         return
-    state.saving_values = state._whole_slots()
+    state.saving_values = state.whole_slots()
     try:
         yield
     finally:
@@ -148,8 +151,9 @@ class ShardedOptimizerState:
     Its `build` and `finalize_variable_values` replace those of the sharded
     optimizer on the instance, and `save_own_variables`/`load_own_variables`
     those of the model's optimizer (`saved_by`: the same one, or the
-    `LossScaleOptimizer` around it). `apply` is reached through
-    `ReplicaAdapter.apply_gradients`, or from the wrapper's own `apply`.
+    `LossScaleOptimizer` around it). `apply` is what the optimizer's routed
+    `apply` finally runs (`adapters.apply_through`), or what the wrapper's own
+    `apply` calls.
 
     Args:
         optimizer: the optimizer whose slots are sharded.
@@ -287,9 +291,9 @@ class ShardedOptimizerState:
         """
         owner = self.saved_by if owner is None else owner
         own = [np.asarray(variable.numpy()) for variable in owner.variables]
-        return own + (self.saving_values if self.saving_values is not None else self._whole_slots())
+        return own + (self.saving_values if self.saving_values is not None else self.whole_slots())
 
-    def _whole_slots(self):
+    def whole_slots(self):
         shard = self.shard
         slots = shard.slot_variables
         sliced = [slot for slot in slots if shard.whole_variable_index(slot) is not None]

@@ -76,6 +76,14 @@ def test_the_all_gather_in_many_small_chunks_gives_the_same_bits(jobs, tmp_path)
                                 jobs["whole"][0]) == []
 
 
+def test_two_replicas_per_process_shard_across_processes_with_the_same_bits(tmp_path):
+    configs = "adam,sgd_accumulation,adam_clipnorm"
+    whole, _ = run_job(tmp_path / "whole", 2, "--local-replicas", "2", "--configs", configs)
+    sharded, _ = run_job(tmp_path / "sharded", 2, "--sharded", "--local-replicas", "2", "--configs", configs)
+    _assert_ranks_identical(sharded)
+    assert _bitwise_differences(whole[0], sharded[0]) == []
+
+
 def test_each_rank_holds_its_half_of_the_slots(jobs):
     for name in CONFIGS:
         slots = [value for key, value in jobs["whole"][0].items()

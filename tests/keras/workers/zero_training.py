@@ -144,6 +144,7 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--bucket-bytes", type=int, help="CommunicationOptions.bucket_bytes (the gather's chunk too)")
+    parser.add_argument("--local-replicas", type=int, default=1, help="logical CPU replicas per process")
     parser.add_argument("--fault", choices=["optimizer_slice_applied_twice", "optimizer_slice_missed"])
     args = parser.parse_args()
     import kdist
@@ -154,7 +155,9 @@ def main():
         setattr(faults.ACTIVE, args.fault, True)
 
     options = kdist.CommunicationOptions(bucket_bytes=args.bucket_bytes) if args.bucket_bytes else None
-    strategy = kdist.MultiWorkerMirroredStrategy(communication_options=options, shard_optimizer_state=args.sharded)
+    devices = [f"cpu:{i}" for i in range(args.local_replicas)] if args.local_replicas > 1 else None
+    strategy = kdist.MultiWorkerMirroredStrategy(communication_options=options, devices=devices,
+                                                 shard_optimizer_state=args.sharded)
     rank = strategy.extended.collectives.rank
     if args.refusals:
         check_refusals(kdist, strategy)
