@@ -170,7 +170,6 @@ class ShardedOptimizerState:
         self.plan = None
         self.saving_values = None
         self._index = {}
-        self._layout = None
 
     # ----- Keras' optimizer methods, on the instance ---------------------------
     def build(self, variables):
@@ -294,109 +293,91 @@ class ShardedOptimizerState:
         return own + (self.saving_values if self.saving_values is not None else self.whole_slots())
 
     def whole_slots(self):
+        """The whole values of the slots, in `slot_variables`' order (NumPy; a collective)."""
         shard = self.shard
         slots = shard.slot_variables
-        sliced = [slot for slot in slots if shard.whole_variable_index(slot) is not None]
-        gathered = dict(zip(map(id, sliced), self._gather(
-            [(_compat.torch_tensor_of(slot), shard.whole_variable_index(slot)) for slot in sliced], "optimizer_state")))
-        values = []
+        parts, wholes = [], []
         for slot in slots:
-            value = gathered.get(id(slot))
-            values.append(np.asarray(slot.numpy()) if value is None else value.cpu().numpy())
-        return values
+            index = shard.whole_variable_index(slot)
+            if index is not None:  # a slice's slot; the others (scalars) are alike on every rank
+                tensor = _compat.torch_tensor_of(slot)
+                parts.append((tensor, index))
+                wholes.append(torch.empty(int(np.prod(shard.variables[index].shape)), dtype=tensor.dtype))
+        self._gather(parts, wholes, "optimizer_state")
+        gathered = iter(wholes)
+        return [np.asarray(slot.numpy()) if shard.whole_variable_index(slot) is None
+                else next(gathered).reshape(tuple(shard.variables[shard.whole_variable_index(slot)].shape)).numpy()
+                for slot in slots]
 
     def _gather_into_variables(self, skip_last_rank=False):
-        """The other ranks' updated slices into the whole variables, in chunks of `bucket_bytes` per rank.
+        """The other ranks' updated slices into the whole variables (this rank's are views, updated in place).
 
-        Each rank's slices are views of its variables (`OptimizerShard.refresh`),
-        already updated in place. Per dtype, each rank sends its slices end to
-        end (padded to the longest rank's length), one chunk per all-gather, and
-        every other rank's piece is copied from the chunk straight into its
-        variable's storage: the temporary memory is `world_size` chunks, not a
-        model. `skip_last_rank` is the negative control's bug
-        (`faults.optimizer_slice_missed`).
+        `skip_last_rank` is the negative control's bug (`faults.optimizer_slice_missed`).
         """
-        shard, collectives = self.shard, self.collectives
-        here, last = collectives.rank, collectives.world_size - 1
+        shard = self.shard
+        parts = [(_compat.torch_tensor_of(slice_), index) for index, slice_ in enumerate(shard.slices)]
+        targets = [_compat.torch_tensor_of(variable).view(-1) for variable in shard.variables]
+        skip = self.collectives.world_size - 1 if skip_last_rank else None
+        self._gather(parts, targets, "optimizer_shards", skip_own=True, skip_rank=skip)
+
+    def _gather(self, parts, wholes, name, skip_own=False, skip_rank=None):
+        """Every rank's slices into whole flat tensors, in chunks of `bucket_bytes` per rank.
+
+        `parts`: `[(this rank's 1-D slice, variable index)]`, in the same order
+        on every rank; each is copied into `wholes[i]` (a flat tensor of the
+        variable's size) at every rank's piece. Per dtype, each rank sends its
+        slices end to end (padded to the longest rank's length), one chunk per
+        all-gather, and each piece is copied from the chunk straight into its
+        whole: the temporary memory is `world_size` chunks. `skip_own`: this
+        rank's pieces are already in place; `skip_rank`: a rank left out.
+        """
+        collectives = self.collectives
+        here = collectives.rank
+        ranges = [{piece.index: (piece.start, piece.stop) for piece in pieces} for pieces in self.plan]
+        by_dtype = {}
+        for position, (tensor, _) in enumerate(parts):
+            by_dtype.setdefault(tensor.dtype, []).append(position)
         with torch.no_grad():
-            for dtype, (length, placements) in self._dtype_layouts().items():
+            for dtype, positions in by_dtype.items():
+                placements, length = _placements(parts, positions, ranges)
                 itemsize = torch.empty((), dtype=dtype).element_size()
                 chunk = max(optimizer_shards.ALIGN, min(length, collectives.options.bucket_bytes // itemsize))
                 local = torch.empty(chunk, dtype=dtype, device=collectives.device)
                 gathered = torch.empty(collectives.world_size * chunk, dtype=dtype, device=collectives.device)
                 for low in range(0, length, chunk):
                     size = min(chunk, length - low)
-                    piece_of = functools.partial(_overlap, low, low + size)
                     sending = local[:size]
                     sending.zero_()
-                    for index, start, stop, offset in placements[here]:
-                        a, b = piece_of(offset, stop - start)
+                    for position, start, stop, offset in placements[here]:
+                        a, b = _overlap(low, low + size, offset, stop - start)
                         if a < b:
-                            own = _compat.torch_tensor_of(shard.slices[index]).detach()
+                            own = parts[position][0].detach()
                             sending[a - low:b - low] = own[a - offset:b - offset].to(collectives.device)
-                    received = collectives.all_gather_flat(
-                        sending, name="optimizer_shards", out=gathered[: collectives.world_size * size])
+                    received = collectives.all_gather_flat(sending, name=name, out=gathered[: collectives.world_size * size])
                     for rank, pieces in enumerate(placements):
-                        if rank == here or (skip_last_rank and rank == last):
+                        if (skip_own and rank == here) or rank == skip_rank:
                             continue
-                        base = rank * size
-                        for index, start, stop, offset in pieces:
-                            a, b = piece_of(offset, stop - start)
+                        for position, start, stop, offset in pieces:
+                            a, b = _overlap(low, low + size, offset, stop - start)
                             if a < b:
-                                target = _compat.torch_tensor_of(shard.variables[index]).view(-1)
-                                target[start + a - offset:start + b - offset].copy_(
-                                    received[base + a - low:base + b - low].to(target.device))
+                                target = wholes[position]
+                                source = received[rank * size + a - low:rank * size + b - low]
+                                target[start + a - offset:start + b - offset].copy_(source.to(target.device))
 
-    def _dtype_layouts(self):
-        """{torch dtype: (padded length per rank, per rank [(variable index, start, stop, offset)])}."""
-        if self._layout is None:
-            layouts = {}
-            for index, variable in enumerate(self.shard.variables):
-                dtype = _compat.torch_tensor_of(variable).dtype
-                layouts.setdefault(dtype, [[] for _ in self.plan])
-                for rank, pieces in enumerate(self.plan):
-                    for piece in pieces:
-                        if piece.index == index:
-                            placed = layouts[dtype][rank]
-                            offset = placed[-1][3] + placed[-1][2] - placed[-1][1] if placed else 0
-                            placed.append((index, piece.start, piece.stop, offset))
-            self._layout = {
-                dtype: (max((p[-1][3] + p[-1][2] - p[-1][1]) if p else 0 for p in placements), placements)
-                for dtype, placements in layouts.items()
-            }
-        return self._layout
 
-    def _gather(self, parts, name):
-        """Whole tensors from every rank's slices: `parts` is `[(this rank's slice, variable index)]`.
-
-        One all-gather per dtype. Returns one tensor per part, shaped like its variable.
-        """
-        plan_lengths = [
-            {piece.index: piece.stop - piece.start for piece in pieces} for pieces in self.plan
-        ]
-        results = [None] * len(parts)
-        by_dtype = {}
-        for position, (tensor, _) in enumerate(parts):
-            by_dtype.setdefault(tensor.dtype, []).append(position)
-        device = self.collectives.device
-        for positions in by_dtype.values():
-            local = torch.cat([parts[p][0].detach().reshape(-1).to(device) for p in positions])
-            rows = [sum(lengths.get(parts[p][1], 0) for p in positions) for lengths in plan_lengths]
-            flat = self.collectives.all_gather_rows(local, rows, name=name)
-            offsets = np.cumsum([0] + rows[:-1]).tolist()
-            pieces = {p: [] for p in positions}
-            for rank, lengths in enumerate(plan_lengths):
-                offset = offsets[rank]
-                for p in positions:
-                    length = lengths.get(parts[p][1], 0)
-                    if length:
-                        pieces[p].append(flat[offset:offset + length])
-                    offset += length
-            for p in positions:
-                shape = tuple(self.shard.variables[parts[p][1]].shape)
-                whole = torch.cat(pieces[p]) if pieces[p] else flat[:0]  # a variable of no elements
-                results[p] = whole.reshape(shape)
-        return results
+def _placements(parts, positions, ranges):
+    """Per rank, `[(position, start, stop, offset)]` of its pieces of `parts` laid end to end; the longest length."""
+    placements = []
+    for owned in ranges:
+        placed, offset = [], 0
+        for position in positions:
+            start, stop = owned.get(parts[position][1], (0, 0))
+            if stop > start:
+                placed.append((position, start, stop, offset))
+                offset += stop - start
+        placements.append(placed)
+    length = max((p[-1][3] + p[-1][2] - p[-1][1]) if p else 0 for p in placements)
+    return placements, length
 
 
 def _overlap(low, high, offset, length):
