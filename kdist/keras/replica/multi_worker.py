@@ -244,8 +244,9 @@ def collective_save(strategy, save, model, filepath, args, kwargs):
     write = lambda: atomic_save.save(save, model, (filepath, *args), kwargs)  # noqa: E731
     target = _save_target(filepath)
     chief_target = strategy.extended.collectives.broadcast_object(target, name="save path")
-    with sharded_optimizer.gathered_for_saving(model):
-        run_on_chief(strategy, write, f"save({target[1]})", also_here=target != chief_target)
+    also_here = target != chief_target
+    with sharded_optimizer.gathered_for_saving(model, writes=strategy.extended.is_chief or also_here):
+        run_on_chief(strategy, write, f"save({target[1]})", also_here=also_here)
 
 
 def _save_target(filepath):
@@ -274,7 +275,7 @@ def _make_backup_collective(callback, strategy):
 
     def _save_model():
         gradient_accumulation.flush(callback.model)
-        with sharded_optimizer.gathered_for_saving(callback.model):
+        with sharded_optimizer.gathered_for_saving(callback.model, writes=strategy.extended.is_chief):
             run_on_chief(strategy, write, "BackupAndRestore")
 
     original_begin = callback.on_train_begin

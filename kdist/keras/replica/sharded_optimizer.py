@@ -127,18 +127,21 @@ def check(optimizer):
 
 
 @contextlib.contextmanager
-def gathered_for_saving(model):
+def gathered_for_saving(model, writes=True):
     """While active, `model`'s sharded optimizer saves the whole state gathered on entry.
 
     A collective: every rank enters it at the same point, before the chief
     writes (the other ranks wait for it and so cannot take part in a gather
-    made inside the write). Nothing happens for an optimizer with whole state.
+    made inside the write). `writes`: whether this rank writes a file; a rank
+    that does not takes part in the gather without keeping the whole state.
+    Nothing happens for an optimizer with whole state.
     """
     state = getattr(getattr(model, "optimizer", None), _SAVED_BY, None)
     if state is None or state.shard is None:
         yield
         return
-    state.saving_values = state.whole_slots()
+    slots = state.whole_slots(keep=writes)
+    state.saving_values = slots if writes else None
     try:
         yield
     finally:
@@ -292,8 +295,12 @@ class ShardedOptimizerState:
         own = [np.asarray(variable.numpy()) for variable in owner.variables]
         return own + (self.saving_values if self.saving_values is not None else self.whole_slots())
 
-    def whole_slots(self):
-        """The whole values of the slots, in `slot_variables`' order (NumPy; a collective)."""
+    def whole_slots(self, keep=True):
+        """The whole values of the slots, in `slot_variables`' order (NumPy; a collective).
+
+        With `keep=False` this rank only sends its slices (it holds one chunk
+        at a time, not the whole state) and None is returned.
+        """
         shard = self.shard
         slots = shard.slot_variables
         parts, wholes = [], []
@@ -302,8 +309,11 @@ class ShardedOptimizerState:
             if index is not None:  # a slice's slot; the others (scalars) are alike on every rank
                 tensor = _compat.torch_tensor_of(slot)
                 parts.append((tensor, index))
-                wholes.append(torch.empty(int(np.prod(shard.variables[index].shape)), dtype=tensor.dtype))
+                size = int(np.prod(shard.variables[index].shape))
+                wholes.append(torch.empty(size, dtype=tensor.dtype) if keep else None)
         self._gather(parts, wholes, "optimizer_state")
+        if not keep:
+            return None
         gathered = iter(wholes)
         return [np.asarray(slot.numpy()) if shard.whole_variable_index(slot) is None
                 else next(gathered).reshape(tuple(shard.variables[shard.whole_variable_index(slot)].shape)).numpy()
@@ -325,7 +335,7 @@ class ShardedOptimizerState:
 
         `parts`: `[(this rank's 1-D slice, variable index)]`, in the same order
         on every rank; each is copied into `wholes[i]` (a flat tensor of the
-        variable's size) at every rank's piece. Per dtype, each rank sends its
+        variable's size, or None to keep nothing) at every rank's piece. Per dtype, each rank sends its
         slices end to end (padded to the longest rank's length), one chunk per
         all-gather, and each piece is copied from the chunk straight into its
         whole: the temporary memory is `world_size` chunks. `skip_own`: this
@@ -359,7 +369,7 @@ class ShardedOptimizerState:
                             continue
                         for position, start, stop, offset in pieces:
                             a, b = _overlap(low, low + size, offset, stop - start)
-                            if a < b:
+                            if a < b and wholes[position] is not None:  # None: not kept here
                                 target = wholes[position]
                                 source = received[rank * size + a - low:rank * size + b - low]
                                 target[start + a - offset:start + b - offset].copy_(source.to(target.device))
