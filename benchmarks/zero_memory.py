@@ -6,7 +6,8 @@ parameters in `--size full`) trains with AdamW (weight decay 0.01) under
 `kdist.MultiWorkerMirroredStrategy` in N processes on this machine (gloo,
 loopback), once with `shard_optimizer_state=False` (`whole`, the baseline) and
 once with `True` (`sharded`), for each N of `--processes`. Each configuration is
-one `kdist launch --nproc N --no-warm` job; each rank reports:
+one `kdist launch --nproc N --no-warm` job (`--size quick` forks its processes from warm
+ones: a smoke run, whose peak RSS includes what they share); each rank reports:
 
 - `optimizer_state_bytes`: the bytes of the optimizer slots it holds (Adam's
   two moments; the step count and learning rate are not counted);
@@ -127,7 +128,9 @@ def run_rank(args):
 
 # ----- the driver -------------------------------------------------------------------------
 def run_job(args, config, processes, report_dir):
-    command = [sys.executable, "-m", "kdist", "launch", "--nproc", str(processes), "--no-warm",
+    # Cold processes, so that peak RSS is the process's own; the smoke size forks from warm ones.
+    warm = [] if args.size == "quick" else ["--no-warm"]
+    command = [sys.executable, "-m", "kdist", "launch", "--nproc", str(processes), *warm,
                "--timeout", str(args.job_timeout), os.path.abspath(__file__), "--role", "rank",
                "--config", config, "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--report-dir", report_dir]
