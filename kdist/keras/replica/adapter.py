@@ -57,9 +57,9 @@ class ReplicaAdapter(adapters.KerasAdapter):
 
     def check_compile(self, compile_method, model, args, kwargs):
         if getattr(self.strategy.extended, "shard_optimizer_state", False):
-            arguments = inspect.signature(compile_method).bind(model, *args, **kwargs).arguments
-            optimizer = arguments.get("optimizer", inspect.signature(compile_method).parameters["optimizer"].default)
-            sharded_optimizer.check(keras.optimizers.get(optimizer))
+            bound = inspect.signature(compile_method).bind(model, *args, **kwargs)
+            bound.apply_defaults()
+            sharded_optimizer.check(keras.optimizers.get(bound.arguments["optimizer"]))
 
     def route_call(self, method, model, name, args, kwargs):
         strategy = self.strategy

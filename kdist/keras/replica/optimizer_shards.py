@@ -158,14 +158,8 @@ class OptimizerShard:
     @property
     def slot_variables(self):
         """The slots this rank holds (its slices' moments, accumulators, EMA...)."""
-        own = self.inner_own_variables
+        own = own_variables(self.inner)
         return [variable for variable in self.inner.variables if not any(variable is o for o in own)]
-
-    @property
-    def inner_own_variables(self):
-        """The slice optimizer's variables that are not slots (its step count and learning rate)."""
-        return [v for v in (_compat.iterations_variable(self.inner), _compat.learning_rate_variable(self.inner))
-                if v is not None]
 
     def apply(self, gradients):
         """Updates this rank's pieces from the whole, reduced `gradients` (one per variable, or None).
@@ -263,13 +257,10 @@ def _build_recording_references(inner, slices):
     return references
 
 
-def put_back(variables, pieces, values):
-    """Writes `values` (flat, one per `Piece`) into `variables` at their pieces."""
-    for piece, value in zip(pieces, values):
-        variable = variables[piece.index]
-        flat = keras.ops.reshape(variable.value, (-1,))
-        flat = keras.ops.slice_update(flat, (piece.start,), keras.ops.cast(value, flat.dtype))
-        variable.assign(keras.ops.reshape(flat, variable.shape))
+def own_variables(optimizer):
+    """An optimizer's variables that are not slots: its step count and learning rate (when a variable)."""
+    return [v for v in (_compat.iterations_variable(optimizer), _compat.learning_rate_variable(optimizer))
+            if v is not None]
 
 
 def apply_constraints(variables):

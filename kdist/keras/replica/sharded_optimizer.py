@@ -116,8 +116,7 @@ def check(optimizer):
     if state_of(target) is not None:
         return
     optimizer_shards.check_shardable(target)
-    own = [v for v in (_compat.iterations_variable(target), _compat.learning_rate_variable(target))
-           if v is not None]
+    own = optimizer_shards.own_variables(target)
     if target.built and len(target.variables) > len(own):
         raise InvalidArgumentError(
             f"optimizer: {optimizer.name!r} was already built and holds its whole state "
@@ -171,6 +170,7 @@ class ShardedOptimizerState:
         self.collectives = collectives
         self.shard = None  # optimizer_shards.OptimizerShard, once built
         self.plan = None
+        self._ranges = None  # per rank: {variable index: (start, stop)} of the elements it owns
         self.saving_values = None
         self._index = {}
 
@@ -184,6 +184,7 @@ class ShardedOptimizerState:
         self.plan = optimizer_shards.plan_shards(sizes, self.collectives.world_size)
         self.shard = optimizer_shards.OptimizerShard(self.optimizer, variables, self.plan[self.collectives.rank])
         self._index = {id(variable): index for index, variable in enumerate(variables)}
+        self._ranges = [{piece.index: (piece.start, piece.stop) for piece in pieces} for pieces in self.plan]
         _compat.mark_optimizer_built(self.optimizer, variables)
 
     def save_own_variables(self, store, owner=None):
@@ -302,10 +303,9 @@ class ShardedOptimizerState:
         at a time, not the whole state) and None is returned.
         """
         shard = self.shard
-        slots = shard.slot_variables
+        slots = [(slot, shard.whole_variable_index(slot)) for slot in shard.slot_variables]
         parts, wholes = [], []
-        for slot in slots:
-            index = shard.whole_variable_index(slot)
+        for slot, index in slots:
             if index is not None:  # a slice's slot; the others (scalars) are alike on every rank
                 tensor = _compat.torch_tensor_of(slot)
                 parts.append((tensor, index))
@@ -315,9 +315,9 @@ class ShardedOptimizerState:
         if not keep:
             return None
         gathered = iter(wholes)
-        return [np.asarray(slot.numpy()) if shard.whole_variable_index(slot) is None
-                else next(gathered).reshape(tuple(shard.variables[shard.whole_variable_index(slot)].shape)).numpy()
-                for slot in slots]
+        return [np.asarray(slot.numpy()) if index is None
+                else next(gathered).reshape(tuple(shard.variables[index].shape)).numpy()
+                for slot, index in slots]
 
     def _gather_into_variables(self, skip_last_rank=False):
         """The other ranks' updated slices into the whole variables (this rank's are views, updated in place).
@@ -343,13 +343,12 @@ class ShardedOptimizerState:
         """
         collectives = self.collectives
         here = collectives.rank
-        ranges = [{piece.index: (piece.start, piece.stop) for piece in pieces} for pieces in self.plan]
         by_dtype = {}
         for position, (tensor, _) in enumerate(parts):
             by_dtype.setdefault(tensor.dtype, []).append(position)
         with torch.no_grad():
             for dtype, positions in by_dtype.items():
-                placements, length = _placements(parts, positions, ranges)
+                placements, length = _placements(parts, positions, self._ranges)
                 itemsize = torch.empty((), dtype=dtype).element_size()
                 chunk = max(optimizer_shards.ALIGN, min(length, collectives.options.bucket_bytes // itemsize))
                 local = torch.empty(chunk, dtype=dtype, device=collectives.device)

@@ -71,6 +71,15 @@ def _whole(make):
     return _values(variables), optimizer
 
 
+def _put_back(variables, pieces, values):
+    """What the all-gather does for one rank's pieces: writes `values` (flat, one per piece) into `variables`."""
+    for piece, value in zip(pieces, values):
+        variable = variables[piece.index]
+        flat = keras.ops.reshape(variable.value, (-1,))
+        flat = keras.ops.slice_update(flat, (piece.start,), keras.ops.cast(value, flat.dtype))
+        variable.assign(keras.ops.reshape(flat, variable.shape))
+
+
 def _sharded(make, num_ranks, fault=None):
     """Rank 0's variables after STEPS steps of `num_ranks` simulated ranks, the shards and their optimizers.
 
@@ -94,7 +103,7 @@ def _sharded(make, num_ranks, fault=None):
             if fault == "missed" and rank == num_ranks - 1 and step == STEPS - 1:
                 continue
             for variables in copies:
-                optimizer_shards.put_back(variables, plan[rank], updates[rank])
+                _put_back(variables, plan[rank], updates[rank])
         for variables in copies:
             optimizer_shards.apply_constraints(variables)
     # (A missed slice is still in its own rank's copy: the slices are views of it.)
